@@ -1,0 +1,141 @@
+"""Host-side checks of `mha` inputs, run before anything is compiled or launched.
+
+Each failure raises TypeError (wrong kind of thing) or ValueError (right kind, wrong
+value) whose message names the argument, the value received and what is accepted.
+The order is deliberate: everything that can be judged on a CPU tensor (type, rank,
+dtype, shapes, head dim, strides, scale) comes before the device checks, so the CPU
+test suite exercises every check but the last two.
+"""
+
+import math
+import numbers
+
+import torch
+
+# Head dims the forward kernel is built for.
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_NAMES = ("q", "k", "v")
+# TMA descriptors need every non-unit global stride to be a multiple of 16 bytes and
+# the base address 16-byte aligned; both dtypes are 2 bytes, so 8 elements.
+_ALIGN_BYTES = 16
+_ALIGN_ELEMS = 8
+# Not .contiguous(): it returns its input unchanged when only a size-1 dim has an odd
+# stride or the storage offset is misaligned; a clone always gets fresh packed strides.
+_COPY_HINT = "make a packed copy with .clone(memory_format=torch.contiguous_format)"
+
+
+def _device_capability(device):
+    """(major, minor) of a CUDA device; a function so tests can monkeypatch it."""
+    return torch.cuda.get_device_capability(device)
+
+
+def validate_fwd_inputs(q, k, v, softmax_scale):
+    """Raise TypeError/ValueError if (q, k, v, softmax_scale) cannot go to the kernel."""
+    tensors = dict(zip(_NAMES, (q, k, v)))
+
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+    for name, t in tensors.items():
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape (batch, seqlen, nheads, headdim), "
+                f"got shape {tuple(t.shape)} ({t.dim()} dims)"
+            )
+
+    if q.dtype not in _DTYPES:
+        hint = "; cast with .to(torch.bfloat16) or .half()" if q.dtype == torch.float32 else ""
+        raise TypeError(f"q must be torch.float16 or torch.bfloat16, got {q.dtype}{hint}")
+    for name in ("k", "v"):
+        if tensors[name].dtype != q.dtype:
+            raise TypeError(
+                f"{name} must have the same dtype as q ({q.dtype}), got {tensors[name].dtype}"
+            )
+
+    _check_shapes(q, k, v)
+
+    d = q.shape[3]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q headdim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+
+    for name, t in tensors.items():
+        _check_layout(name, t)
+
+    _check_scale(softmax_scale)
+
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(
+                f"{name} is on {t.device}; cute_attn needs CUDA tensors on an sm_90 GPU"
+            )
+    for name in ("k", "v"):
+        if tensors[name].device != q.device:
+            raise ValueError(
+                f"{name} is on {tensors[name].device} but q is on {q.device}; "
+                "q, k and v must be on the same device"
+            )
+
+    cap = tuple(_device_capability(q.device))
+    if cap != (9, 0):
+        raise ValueError(
+            f"q is on {q.device} with compute capability sm_{cap[0]}{cap[1]}; "
+            "cute_attn needs an sm_90 (Hopper: H100/H200) GPU"
+        )
+
+
+def _check_shapes(q, k, v):
+    b, sq, h, d = q.shape
+    for name, t in (("k", k), ("v", v)):
+        for axis, label in ((0, "batch"), (2, "nheads"), (3, "headdim")):
+            if t.shape[axis] != q.shape[axis]:
+                raise ValueError(
+                    f"{name} {label} must equal q {label} ({q.shape[axis]}), got "
+                    f"{t.shape[axis]} (q shape {tuple(q.shape)}, {name} shape {tuple(t.shape)})"
+                )
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"v seqlen must equal k seqlen ({k.shape[1]}), got {v.shape[1]}"
+        )
+    for name, value in (("q batch", b), ("q nheads", h), ("q seqlen", sq), ("k seqlen", k.shape[1])):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_layout(name, t):
+    strides = t.stride()
+    if strides[3] != 1:
+        raise ValueError(
+            f"{name} must be contiguous in the last dimension, got strides {strides}; "
+            "call .contiguous()"
+        )
+    if any(s % _ALIGN_ELEMS for s in strides[:3]):
+        raise ValueError(
+            f"{name} strides must be multiples of {_ALIGN_ELEMS} elements "
+            f"({_ALIGN_BYTES} bytes, a TMA requirement), got strides {strides}; "
+            f"{_COPY_HINT}"
+        )
+    if t.data_ptr() % _ALIGN_BYTES:
+        raise ValueError(
+            f"{name} data pointer must be {_ALIGN_BYTES}-byte aligned (a TMA requirement), "
+            f"got address {t.data_ptr():#x} (storage offset {t.storage_offset()}); "
+            f"{_COPY_HINT}"
+        )
+
+
+def _check_scale(softmax_scale):
+    if softmax_scale is None:
+        return
+    # bool is an int subclass but never a meaningful scale; tensors would force a sync.
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(
+            "softmax_scale must be None or a Python float/int, "
+            f"got {type(softmax_scale).__name__}"
+        )
+    if not math.isfinite(softmax_scale) or softmax_scale == 0:
+        raise ValueError(
+            f"softmax_scale must be a finite nonzero number (or None for 1/sqrt(headdim)), "
+            f"got {softmax_scale}"
+        )

@@ -1,0 +1,266 @@
+"""Input checks of cute_attn.mha, on CPU tensors (no GPU needed).
+
+The last two checks (same CUDA device, sm_90) need CUDA tensors. Without a GPU we
+feed `_FakeCuda` tensors: CPU tensors whose `.device` says cuda:N. validation only
+reads `.device` for those checks, so this tests the decision logic honestly; the
+real `_device_capability` is covered by the gpu-marked test at the end.
+"""
+
+import re
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import cute_attn
+from cute_attn import validation
+from cute_attn.validation import SUPPORTED_HEAD_DIMS, validate_fwd_inputs
+
+CPU_ERROR = r"is on cpu; cute_attn needs CUDA tensors on an sm_90 GPU"
+
+
+class _FakeCuda(torch.Tensor):
+    """A CPU tensor that reports a CUDA device (see module docstring)."""
+
+    @property
+    def device(self):
+        return self._fake_device
+
+
+def _fake_cuda(t, index=0):
+    t = t.as_subclass(_FakeCuda)
+    t._fake_device = torch.device("cuda", index)
+    return t
+
+
+def _qkv(b=2, sq=16, sk=24, h=4, d=64, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    q = torch.randn(b, sq, h, d, dtype=dtype)
+    k = torch.randn(b, sk, h, d, dtype=dtype)
+    v = torch.randn(b, sk, h, d, dtype=dtype)
+    return q, k, v
+
+
+def _replace(qkv, name, value):
+    q, k, v = qkv
+    return {"q": (value, k, v), "k": (q, value, v), "v": (q, k, value)}[name]
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [[1.0, 2.0], np.zeros((2, 16, 4, 64), np.float16)])
+def test_not_a_tensor(name, bad):
+    with pytest.raises(TypeError, match=rf"{name} must be a torch.Tensor, got (list|ndarray)"):
+        validate_fwd_inputs(*_replace(_qkv(), name, bad), None)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("shape", [(16, 4, 64), (2, 16, 4, 64, 1)])
+def test_wrong_rank(name, shape):
+    bad = torch.zeros(shape, dtype=torch.bfloat16)
+    msg = f"{name} must have shape (batch, seqlen, nheads, headdim), got shape {shape}"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        validate_fwd_inputs(*_replace(_qkv(), name, bad), None)
+
+
+def test_fp32_rejected_with_cast_hint():
+    q, k, v = _qkv(dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"q must be torch.float16 or torch.bfloat16, got torch.float32; cast"):
+        validate_fwd_inputs(q, k, v, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.float8_e4m3fn])
+def test_other_dtypes_rejected(dtype):
+    q, k, v = (t.to(dtype) for t in _qkv())
+    with pytest.raises(TypeError, match=rf"q must be torch.float16 or torch.bfloat16, got {dtype}"):
+        validate_fwd_inputs(q, k, v, None)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_mixed_dtypes(name):
+    qkv = _qkv(dtype=torch.bfloat16)
+    other = dict(zip("qkv", qkv))[name].half()
+    with pytest.raises(TypeError, match=rf"{name} must have the same dtype as q \(torch.bfloat16\), got torch.float16"):
+        validate_fwd_inputs(*_replace(qkv, name, other), None)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+@pytest.mark.parametrize("axis, label", [(0, "batch"), (2, "nheads"), (3, "headdim")])
+def test_mismatched_dims(name, axis, label):
+    qkv = _qkv(b=2, h=4, d=64)
+    shape = list(dict(zip("qkv", qkv))[name].shape)
+    shape[axis] = {0: 3, 2: 2, 3: 128}[axis]
+    bad = torch.zeros(shape, dtype=torch.bfloat16)
+    q_size = qkv[0].shape[axis]
+    with pytest.raises(ValueError, match=rf"{name} {label} must equal q {label} \({q_size}\), got {shape[axis]}"):
+        validate_fwd_inputs(*_replace(qkv, name, bad), None)
+
+
+def test_kv_seqlen_mismatch():
+    q, k, v = _qkv(sk=24)
+    with pytest.raises(ValueError, match=r"v seqlen must equal k seqlen \(24\), got 23"):
+        validate_fwd_inputs(q, k, v[:, :23], None)
+
+
+@pytest.mark.parametrize("b, sq, sk, h, what", [
+    (0, 16, 24, 4, "q batch"), (2, 0, 24, 4, "q seqlen"), (2, 16, 0, 4, "k seqlen"), (2, 16, 24, 0, "q nheads"),
+])
+def test_empty_dims(b, sq, sk, h, what):
+    with pytest.raises(ValueError, match=rf"{what} must be >= 1, got 0"):
+        validate_fwd_inputs(*_qkv(b=b, sq=sq, sk=sk, h=h), None)
+
+
+@pytest.mark.parametrize("d", [32, 80, 160, 512])
+def test_unsupported_head_dim(d):
+    with pytest.raises(ValueError, match=rf"q headdim must be one of \(.*\), got {d}"):
+        validate_fwd_inputs(*_qkv(d=d), None)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_last_dim_not_contiguous(name):
+    qkv = _qkv()
+    t = dict(zip("qkv", qkv))[name]
+    bad = torch.cat([t, t], dim=-1)[..., ::2]  # same shape, last stride 2
+    with pytest.raises(ValueError, match=rf"{name} must be contiguous in the last dimension, got strides \(.*, 2\); call .contiguous\(\)"):
+        validate_fwd_inputs(*_replace(qkv, name, bad), None)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_misaligned_stride(name):
+    qkv = _qkv()
+    t = dict(zip("qkv", qkv))[name]
+    b, s, h, d = t.shape
+    # Rows of 65 elements: a (b, s, h, 65) buffer viewed as [..., :64] via as_strided.
+    buf = torch.zeros(b * s * h * (d + 1), dtype=t.dtype)
+    bad = buf.as_strided((b, s, h, d), (s * h * (d + 1), h * (d + 1), d + 1, 1))
+    with pytest.raises(ValueError, match=rf"{name} strides must be multiples of 8 elements \(16 bytes, a TMA requirement\), got strides \({s * h * (d + 1)}, {h * (d + 1)}, {d + 1}, 1\)"):
+        validate_fwd_inputs(*_replace(qkv, name, bad), None)
+
+
+def test_misaligned_pointer():
+    q, k, v = _qkv()
+    buf = torch.zeros(q.numel() + 1, dtype=q.dtype)
+    bad = buf[1:].view(q.shape)  # 2-byte offset, strides fine
+    with pytest.raises(ValueError, match=r"q data pointer must be 16-byte aligned .* \(storage offset 1\)"):
+        validate_fwd_inputs(bad, k, v, None)
+
+
+@pytest.mark.parametrize("scale, exc, msg", [
+    (torch.tensor(0.1), TypeError, r"softmax_scale must be None or a Python float/int, got Tensor"),
+    ("0.1", TypeError, r"softmax_scale must be None or a Python float/int, got str"),
+    (True, TypeError, r"softmax_scale must be None or a Python float/int, got bool"),
+    (float("nan"), ValueError, r"softmax_scale must be a finite nonzero number .*, got nan"),
+    (float("inf"), ValueError, r"softmax_scale must be a finite nonzero number .*, got inf"),
+    (0.0, ValueError, r"softmax_scale must be a finite nonzero number .*, got 0.0"),
+])
+def test_bad_softmax_scale(scale, exc, msg):
+    with pytest.raises(exc, match=msg):
+        validate_fwd_inputs(*_qkv(), scale)
+
+
+@pytest.mark.parametrize("scale", [None, 0.125, -0.3, 2, np.float32(0.5)])
+def test_good_softmax_scale_reaches_device_check(scale):
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        validate_fwd_inputs(*_qkv(), scale)
+
+
+@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_tensors_rejected(d, dtype):
+    with pytest.raises(ValueError, match=r"q " + CPU_ERROR):
+        validate_fwd_inputs(*_qkv(d=d, dtype=dtype), None)
+
+
+def test_transposed_bhsd_view_passes_layout_checks():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, s, 64, dtype=torch.bfloat16).transpose(1, 2) for s in (16, 24, 24))
+    assert q.shape == (2, 16, 4, 64) and not q.is_contiguous()
+    with pytest.raises(ValueError, match=r"q " + CPU_ERROR):  # the device error, not a stride error
+        validate_fwd_inputs(q, k, v, None)
+
+
+def test_devices_must_match():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"k is on cuda:1 but q is on cuda:0"):
+        validate_fwd_inputs(_fake_cuda(q, 0), _fake_cuda(k, 1), _fake_cuda(v, 0), None)
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (10, 0), (12, 0)])
+def test_wrong_compute_capability(monkeypatch, cap):
+    monkeypatch.setattr(validation, "_device_capability", lambda device: cap)
+    q, k, v = (_fake_cuda(t) for t in _qkv())
+    with pytest.raises(ValueError, match=rf"q is on cuda:0 with compute capability sm_{cap[0]}{cap[1]}; cute_attn needs an sm_90"):
+        validate_fwd_inputs(q, k, v, None)
+
+
+def test_sm90_passes(monkeypatch):
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    q, k, v = (_fake_cuda(t) for t in _qkv())
+    assert validate_fwd_inputs(q, k, v, 0.1) is None
+
+
+def _fake_launcher(monkeypatch, run_fwd):
+    """Make `from cute_attn import launcher` (inside mha) return a stub module."""
+    stub = types.ModuleType("cute_attn.launcher")
+    stub.run_fwd = run_fwd
+    monkeypatch.setitem(sys.modules, "cute_attn.launcher", stub)
+    monkeypatch.setattr(cute_attn, "launcher", stub, raising=False)
+
+
+def _fail_if_called(*args, **kwargs):
+    pytest.fail("launcher.run_fwd was called with inputs that should have been rejected")
+
+
+@pytest.mark.parametrize("case", ["fp32", "headdim", "cpu", "scale", "capability"])
+def test_mha_raises_before_launcher(monkeypatch, case):
+    _fake_launcher(monkeypatch, _fail_if_called)
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (8, 0))
+    q, k, v = _qkv()
+    scale = None
+    if case == "fp32":
+        q, k, v = q.float(), k.float(), v.float()
+    elif case == "headdim":
+        q, k, v = _qkv(d=80)
+    elif case == "scale":
+        scale = float("nan")
+    elif case == "capability":
+        q, k, v = (_fake_cuda(t) for t in (q, k, v))
+    with pytest.raises((TypeError, ValueError)):
+        cute_attn.mha(q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("causal", [False, True, 0, 1])
+@pytest.mark.parametrize("scale", [None, 0.25, 2])
+def test_mha_calls_launcher(monkeypatch, causal, scale):
+    calls = []
+
+    def run_fwd(q, k, v, *, causal, softmax_scale):
+        calls.append((causal, softmax_scale))
+        return "out", "lse"
+
+    _fake_launcher(monkeypatch, run_fwd)
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    q, k, v = (_fake_cuda(t) for t in _qkv(d=128))
+    assert cute_attn.mha(q, k, v, causal=causal, softmax_scale=scale) == "out"
+    assert cute_attn.mha(q, k, v, causal=causal, softmax_scale=scale, return_lse=True) == ("out", "lse")
+    expected = (bool(causal), 128 ** -0.5 if scale is None else float(scale))
+    assert calls == [expected, expected]
+    assert all(type(c) is bool and type(s) is float for c, s in calls)
+
+
+def test_import_does_not_load_the_dsl():
+    # (torch itself imports cuda.bindings, so only the DSL and TVM-FFI are checked.)
+    code = ("import sys, cute_attn; "
+            "assert cute_attn.__version__ == '0.1.0'; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('cutlass', 'tvm_ffi')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+def test_real_device_capability_on_gpu():
+    q, k, v = (t.cuda() for t in _qkv())
+    assert validation._device_capability(q.device) == (9, 0)
+    assert validate_fwd_inputs(q, k, v, None) is None
