@@ -1,0 +1,107 @@
+"""WGMMA building blocks for Hopper: tiled MMAs, swizzled shared-memory layouts, the
+asynchronous GEMM issue, and views of the accumulator registers.
+
+A warpgroup's accumulator fragment for a 64 x N WGMMA has the layout ((2, 2, N/8), M, N'):
+mode 0 holds 2 adjacent columns (mode 0.0), 2 rows 8 apart (mode 0.1) and N/8 column
+groups 8 apart (mode 0.2). The helpers below re-view those registers as a (row, col)
+matrix (for the softmax and the masks) or as the A operand of the next WGMMA (for P @ V
+with P kept in registers) without moving any data.
+"""
+
+from typing import Optional, Type
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+
+def make_tiled_mma(
+    dtype: Type[cutlass.Numeric],
+    b_major: OperandMajorMode,
+    tile_n: int,
+    num_warpgroups: int,
+    a_in_registers: bool = False,
+) -> cute.TiledMma:
+    """A (64 * num_warpgroups) x tile_n WGMMA, A K-major, warpgroups stacked along M."""
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype,
+        dtype,
+        OperandMajorMode.K,
+        b_major,
+        Float32,
+        atom_layout_mnk=(num_warpgroups, 1, 1),
+        tiler_mn=(64, tile_n),
+        a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
+    )
+
+
+def make_smem_layout(
+    dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: Optional[int] = None
+):
+    """A row-major (rows, cols[, stages]) tile with the widest swizzle the row allows
+    (128 B for head dims >= 64): conflict-free for TMA writes and WGMMA reads."""
+    atom_kind = sm90_helpers.get_smem_layout_atom(
+        cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, cols
+    )
+    atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes (no data movement): V (n, d) seen as V^T (d, n)."""
+    modes = [1, 0] + list(range(2, cute.rank(t)))
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+@cute.jit
+def gemm(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool] = False,
+    wait_groups: cutlass.Constexpr[int] = 0,
+):
+    """Issue acc (+)= A @ B as one WGMMA group over the K blocks. wait_groups >= 0 waits
+    until at most that many WGMMA groups are still in flight; -1 returns at once."""
+    warpgroup.fence()
+    mma_atom = cute.make_mma_atom(tiled_mma.op)
+    mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait_groups >= 0):
+        warpgroup.wait_group(wait_groups)
+
+
+def acc_layout_rows_cols(layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), M, N) -> ((2, M), (2, V, N)): rows first, columns second."""
+    s, d = layout.shape, layout.stride
+    return cute.make_layout(
+        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+        stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])),
+    )
+
+
+def acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(acc.iterator, acc_layout_rows_cols(acc.layout))
+
+
+def acc_layout_as_operand_a(layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), M, N) accumulator of one GEMM -> ((2, 2, 2), M, (V/2, N)) A operand of
+    the next: each 16-wide K slice of a 16-bit WGMMA A fragment is two 8-column groups."""
+    s, d = layout.shape, layout.stride
+    assert s[0][2] % 2 == 0, "tile_n must be a multiple of 16"
+    return cute.make_layout(
+        ((s[0][0], s[0][1], 2), s[1], (s[0][2] // 2, s[2])),
+        stride=((d[0][0], d[0][1], d[0][2]), d[1], (d[0][2] * 2, d[2])),
+    )
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(acc.iterator, acc_layout_as_operand_a(acc.layout))

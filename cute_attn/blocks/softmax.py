@@ -1,0 +1,78 @@
+"""The online softmax, in base 2 with the softmax scale folded into one FFMA.
+
+Each thread owns whole rows' worth of a warpgroup accumulator slice: a row's 128 (tile_n)
+columns are spread over the 4 threads of a quad, so a row reduction is a thread-local
+reduction plus two butterfly shuffles.
+
+Rows that see no key at all (causal with seqlen_q > seqlen_k) keep max = -inf; the
+exponent then uses 0 instead of -inf so that (-inf) - (-inf) never makes a NaN, every P
+is exp2(-inf) = 0, the row sum stays 0, and finalize() returns out = 0 and lse = -inf.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from cute_attn.blocks.mma_sm90 import acc_as_rows_cols
+from cute_attn.blocks.staged import Staged
+
+
+class OnlineSoftmax(Staged):
+    def __init__(self, scale_log2: Float32, num_rows: int):
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+
+    @cute.jit
+    def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Turn raw scores S (in place) into P = exp2(S * scale_log2 - max) and return, per
+        row, the factor by which the O accumulated so far must be rescaled."""
+        S = acc_as_rows_cols(acc_S)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            s_row = S[r, None].load()
+            init = -Float32.inf if cutlass.const_expr(is_first) else self.row_max[r]
+            new_max = s_row.reduce(cute.ReductionOp.MAX, init, 0)
+            new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
+            # a row with no visible key yet: exponentiate against 0, not -inf
+            safe_max = 0.0 if new_max == -Float32.inf else new_max
+            max_scaled = safe_max * self.scale_log2
+            p_row = cute.math.exp2(s_row * self.scale_log2 - max_scaled, fastmath=True)
+            if cutlass.const_expr(is_first):
+                row_scale[r] = 1.0
+                self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            else:
+                old_max = self.row_max[r]
+                old_safe = 0.0 if old_max == -Float32.inf else old_max
+                row_scale[r] = cute.math.exp2((old_safe - safe_max) * self.scale_log2, fastmath=True)
+                self.row_sum[r] = p_row.reduce(
+                    cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
+                )
+            self.row_max[r] = new_max
+            S[r, None].store(p_row)
+        return row_scale
+
+    @cute.jit
+    def rescale(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        O = acc_as_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            O[r, None].store(O[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
+        """Normalise O by the row sums (summed across the quad first) and write the
+        natural-log LSE per row: lse = max * scale + ln(sum)."""
+        O = acc_as_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            empty = total == 0.0 or total != total
+            inv = 0.0 if empty else 1.0 / total
+            O[r, None].store(O[r, None].load() * inv)
+            ln2 = math.log(2.0)
+            lse[r] = (
+                -Float32.inf
+                if empty
+                else (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * ln2
+            )

@@ -1,0 +1,43 @@
+"""Tile configurations for the Hopper forward kernel, one heuristic per head dim.
+
+A config is static: it is part of the compile-cache key, so everything in it selects a
+different kernel, while sequence lengths, batch and heads stay dynamic.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    tile_m: int  # query rows per CTA: 64 per consumer warpgroup (WGMMA's M)
+    tile_n: int  # keys per mainloop step
+    num_stages: int  # depth of the K and V shared-memory rings
+    intra_wg_overlap: bool = True  # softmax of block j overlaps QK^T of block j+1, PV of j-1
+    pingpong: bool = True  # consumer warpgroups take turns issuing WGMMAs (named barriers)
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_threads(self) -> int:
+        # one producer warpgroup + the consumer warpgroups
+        return 128 * (self.num_mma_warpgroups + 1)
+
+    def __post_init__(self):
+        if self.tile_m % 64 or not 1 <= self.tile_m // 64 <= 3:
+            raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
+        if self.tile_n % 16:
+            raise ValueError(f"tile_n must be a multiple of 16, got {self.tile_n}")
+
+
+def choose_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
+    """The forward tile shape per head dim (FlashAttention-3's choices as a starting point;
+    perf/NOTES.md records what was measured here)."""
+    if head_dim <= 64:
+        return FwdConfig(tile_m=192, tile_n=128, num_stages=2)
+    if head_dim <= 128:
+        return FwdConfig(tile_m=128, tile_n=128, num_stages=2)
+    if head_dim <= 192:
+        return FwdConfig(tile_m=128, tile_n=96, num_stages=2)
+    return FwdConfig(tile_m=128, tile_n=80, num_stages=2)

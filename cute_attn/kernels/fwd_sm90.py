@@ -1,0 +1,490 @@
+"""Attention forward for Hopper (sm_90a): warp-specialized TMA + WGMMA, FlashAttention-3 style.
+
+Computes O = softmax(Q K^T * scale) V and LSE = logsumexp(Q K^T * scale) per query row for
+one (m_block, head, batch) tile per CTA. Tensors arrive in the FlashAttention layout
+(batch, seqlen, heads, head_dim), head_dim contiguous, other strides free (multiples of 16 B).
+
+Warp roles (128 * (1 + num_mma_warpgroups) threads):
+  * warpgroup 0, the producer: registers cut to 24-32 with setmaxnreg; its warp 0 issues
+    every TMA load: Q once, then K and V block by block into `num_stages`-deep rings.
+  * warpgroups 1.., the consumers: registers raised to 160-240; each owns 64 query rows of
+    the tile (WGMMA's M) and runs S = Q K^T, the online softmax, O += P V with P kept in
+    registers, and the epilogue.
+
+Pipelines (mbarrier rings, cutlass.pipeline.PipelineTmaAsync):
+  * Q: one stage; the TMA's transaction count completes the full barrier.
+  * K and V: separate rings sharing one stage index. The producer issues K[j] before
+    V[j+1] because the consumers need them in that order (see below); a consumer warp's
+    lane 0 releases a stage once its WGMMAs that read it have completed.
+
+Mainloop schedule per consumer warpgroup, KV blocks walked from the last one down (the
+first block visited is the only one that can be partial, and with causal the diagonal
+blocks come first, so masked steps are a short prefix of the loop):
+  first block:  S = Q K^T; mask; softmax -> P (registers, bf16/fp16)
+  each next j:  [wait my turn] issue S_j = Q K_j^T and O += P_{j+1} V_{j+1} [pass the turn]
+                wait S_j; mask if needed; softmax (overlaps the PV WGMMA: intra-warpgroup
+                overlap); wait PV; rescale O; P = S_j
+  last:         O += P V
+The turn barriers (named barriers WG_TURN_i) make warpgroups alternate on the tensor cores,
+so one warpgroup's softmax runs while the other's GEMMs execute (ping-pong).
+
+Epilogue: normalise O by the row sums, write O to shared memory (aliasing Q) with stmatrix,
+then one warp stores it with a TMA bulk copy (clipped to seqlen_q by the tensor map); LSE
+goes straight from registers to global memory.
+
+Constraints: head_dim in {64, 96, 128, 192, 256}; fp16 or bf16 in, fp32 accumulation.
+Read the PTX without a GPU: python -m cute_attn ptx --dtype bf16 --headdim 128 [--causal]
+"""
+
+import math
+from typing import Type
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from cute_attn.blocks import mma_sm90
+from cute_attn.blocks.barriers import NamedBarrier
+from cute_attn.blocks.block_range import BlockRange
+from cute_attn.blocks.mask import AttentionMask
+from cute_attn.blocks.seqlen import SeqlenInfo
+from cute_attn.blocks.softmax import OnlineSoftmax
+from cute_attn.blocks.tile_scheduler import SingleTileScheduler
+from cute_attn.config import FwdConfig
+
+# Register budgets per thread after setmaxnreg (producer, consumer) by consumer warpgroups:
+# 128 * (producer + n * consumer) must stay within the SM's 64K registers.
+_REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+
+
+class FlashFwdSm90:
+    def __init__(
+        self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, config: FwdConfig
+    ):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.num_stages = config.num_stages
+        self.intra_wg_overlap = config.intra_wg_overlap
+        self.num_mma_wg = config.num_mma_warpgroups
+        self.pingpong = config.pingpong and self.num_mma_wg > 1
+        self.num_threads = config.num_threads
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.producer_regs, self.mma_regs = _REGISTERS[self.num_mma_wg]
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads, head_dim)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads, head_dim)
+        mO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q), float32
+        softmax_scale: Float32,
+        stream,
+    ):
+        # Kernel-side view: (seqlen, head_dim, heads, batch), so that a CTA's slice
+        # [None, None, head, batch] is a 2-D (seqlen, head_dim) matrix for TMA and WGMMA.
+        to_sdhb = [1, 3, 2, 0]
+        mQ, mK, mV, mO = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_sdhb))
+            for t in (mQ, mK, mV, mO)
+        ]
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        tiled_mma_qk = mma_sm90.make_tiled_mma(
+            self.dtype, OperandMajorMode.K, self.tile_n, self.num_mma_wg
+        )
+        # P @ V: A = P from registers, B = V^T, whose contiguous dim (head_dim) is N
+        tiled_mma_pv = mma_sm90.make_tiled_mma(
+            self.dtype, OperandMajorMode.MN, self.head_dim, self.num_mma_wg, a_in_registers=True
+        )
+
+        d = self.head_dim
+        sQ_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_m, d)
+        sK_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, self.num_stages)
+        sV_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, self.num_stages)
+
+        load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, d))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            load_op, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, d), 1
+        )
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            load_op, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, d), 1
+        )
+        # O leaves through shared memory laid out like Q (it reuses Q's buffer)
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(store_op, mO, sQ_layout, (self.tile_m, d))
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+        grid = SingleTileScheduler.grid(
+            num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])
+        )
+        scale_log2 = softmax_scale * math.log2(math.e)
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, mLSE,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            scale_log2, sQ_layout, sK_layout, sV_layout,
+            tiled_mma_qk, tiled_mma_pv,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            # a register cap at entry is what lets ptxas honour setmaxnreg (else C7508)
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_O: cute.CopyAtom,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # consumers release a stage with one arrive per warp (lane 0)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+            producer_group=tma_thread, consumer_group=mma_warps,
+            tx_count=self.tma_bytes_q, defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
+            producer_group=tma_thread, consumer_group=mma_warps,
+            tx_count=self.tma_bytes_kv, defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
+            producer_group=tma_thread, consumer_group=mma_warps,
+            tx_count=self.tma_bytes_kv, defer_sync=True,
+        )
+        pipeline_init_arrive(is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        seqlen = SeqlenInfo(mQ.shape[0], mK.shape[0])
+        scheduler = SingleTileScheduler(
+            cute.ceil_div(seqlen.seqlen_q, self.tile_m), longest_first=self.causal
+        )
+        block_range = BlockRange(self.tile_m, self.tile_n, self.causal)
+        pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    pipeline_q, pipeline_k, pipeline_v, scheduler, block_range, seqlen,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume(
+                mO, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
+                tiled_mma_qk, tiled_mma_pv, scheduler, block_range, seqlen,
+                scale_log2, tidx - 128, sQ_layout,
+            )
+
+    # ------------------------------------------------------------------------------------
+    # Producer: one warp, TMA only
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def produce(
+        self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+        pipeline_q, pipeline_k, pipeline_v, scheduler, block_range, seqlen,
+    ):
+        m_block, head, batch = scheduler.tile()
+        d = self.head_dim
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head, batch], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head, batch], (self.tile_n, d), (None, 0))
+        one_cta = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+
+        n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if n_block_max > n_block_min:
+            self.load_kv(tma_atom_K, tKgK, tKsK, pipeline_k, kv_state, n_block_max - 1)
+            if cutlass.const_expr(not self.intra_wg_overlap):
+                self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, kv_state, n_block_max - 1)
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                n_block = n_block_max - 2 - i
+                prev_state = kv_state.clone()
+                kv_state.advance()
+                self.load_kv(tma_atom_K, tKgK, tKsK, pipeline_k, kv_state, n_block)
+                if cutlass.const_expr(self.intra_wg_overlap):
+                    # V runs one block behind K, matching the consumers' order
+                    self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, prev_state, n_block + 1)
+                else:
+                    self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, kv_state, n_block)
+            if cutlass.const_expr(self.intra_wg_overlap):
+                self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, kv_state, n_block_min)
+
+    @cute.jit
+    def load_kv(self, tma_atom, tXgX, tXsX, pipeline_x, state, n_block):
+        pipeline_x.producer_acquire(state)
+        cute.copy(
+            tma_atom, tXgX[None, n_block], tXsX[None, state.index],
+            tma_bar_ptr=pipeline_x.producer_get_barrier(state),
+        )
+
+    # ------------------------------------------------------------------------------------
+    # Consumers: WGMMA + online softmax + epilogue
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(
+        self, mO, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
+        tiled_mma_qk, tiled_mma_pv, scheduler, block_range, seqlen, scale_log2, tidx,
+        sO_layout,
+    ):
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_first_thread)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_first_thread)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        sVt = mma_sm90.transpose_view(sV)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_O = cute.make_rmem_tensor(
+            wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32
+        )
+        acc_O.fill(0.0)
+        acc_S_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+
+        softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_O.shape[0][1]) * cute.size(acc_O.shape[1]))
+        softmax.row_max.fill(-Float32.inf)
+        softmax.row_sum.fill(0.0)
+
+        m_block, head, batch = scheduler.tile()
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, self.causal)
+        n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block)
+        if cutlass.const_expr(self.pingpong):
+            if wg_idx == 0:
+                # warpgroup 0 takes the first turn
+                cute.arch.barrier_arrive(
+                    barrier_id=int(NamedBarrier.WG_TURN_0), number_of_threads=256
+                )
+
+        # Q must have landed even when no key is visible: sO below overwrites its buffer
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipeline_q.consumer_wait(q_state)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if n_block_max > n_block_min:
+            # First block: the only one that can be partial (end of keys); masked always.
+            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+            pipeline_k.consumer_wait(kv_state)
+            mma_sm90.gemm(
+                tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                zero_init=True, wait_groups=0,
+            )
+            pipeline_k.consumer_release(kv_state)
+            mask.apply(acc_S, tScS, m_block, n_block_max - 1, mask_causal=True)
+            softmax.step(acc_S, is_first=True)
+            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
+            if cutlass.const_expr(not self.intra_wg_overlap):
+                kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
+
+            # Blocks crossing the diagonal (causal only), then the unmasked bulk.
+            n_block_unmasked = n_block_max - 1
+            if cutlass.const_expr(self.causal):
+                n_block_unmasked = cutlass.min(
+                    n_block_max - 1,
+                    block_range.n_block_min_causal_mask(seqlen, m_block, n_block_min),
+                )
+            for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
+                kv_state = self.mainloop_step(
+                    n_block_max - 2 - i, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape,
+                    tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax, mask, tScS,
+                    m_block, wg_idx, mask_causal=True,
+                )
+            for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
+                kv_state = self.mainloop_step(
+                    n_block_unmasked - 1 - i, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt,
+                    acc_S_shape, tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax,
+                    mask, tScS, m_block, wg_idx, mask_causal=False,
+                )
+            if cutlass.const_expr(self.intra_wg_overlap):
+                kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
+
+        lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
+        softmax.finalize(acc_O, lse)
+        self.epilogue(
+            acc_O, lse, mO, mLSE, sQ, sO_layout, tma_atom_O, tiled_mma_pv, tidx,
+            m_block, head, batch, seqlen,
+        )
+
+    @cute.jit
+    def mainloop_step(
+        self, n_block, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape,
+        tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax, mask, tScS, m_block,
+        wg_idx, mask_causal: cutlass.Constexpr[bool],
+    ):
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        if cutlass.const_expr(self.intra_wg_overlap):
+            # S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together; the softmax of S_j
+            # runs while the PV WGMMA still executes.
+            v_state = kv_state.clone()
+            kv_state.advance()
+            pipeline_k.consumer_wait(kv_state)
+            self.wait_turn(wg_idx)
+            mma_sm90.gemm(
+                tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                zero_init=True, wait_groups=-1,
+            )
+            pipeline_v.consumer_wait(v_state)
+            mma_sm90.gemm(
+                tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
+                wait_groups=-1,
+            )
+            self.pass_turn(wg_idx)
+            warpgroup.wait_group(1)
+            pipeline_k.consumer_release(kv_state)
+            if cutlass.const_expr(mask_causal):
+                mask.apply(acc_S, tScS, m_block, n_block, mask_causal=True)
+            row_scale = softmax.step(acc_S, is_first=False)
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(v_state)
+            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
+            softmax.rescale(acc_O, row_scale)
+        else:
+            pipeline_k.consumer_wait(kv_state)
+            self.wait_turn(wg_idx)
+            mma_sm90.gemm(
+                tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                zero_init=True, wait_groups=-1,
+            )
+            self.pass_turn(wg_idx)
+            warpgroup.wait_group(0)
+            pipeline_k.consumer_release(kv_state)
+            if cutlass.const_expr(mask_causal):
+                mask.apply(acc_S, tScS, m_block, n_block, mask_causal=True)
+            row_scale = softmax.step(acc_S, is_first=False)
+            softmax.rescale(acc_O, row_scale)
+            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
+            kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
+        return kv_state
+
+    @cute.jit
+    def pv_step(self, tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state):
+        pipeline_v.consumer_wait(kv_state)
+        mma_sm90.gemm(
+            tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], wait_groups=0
+        )
+        pipeline_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def wait_turn(self, wg_idx):
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrier.WG_TURN_0) + wg_idx, number_of_threads=256
+            )
+
+    @cute.jit
+    def pass_turn(self, wg_idx):
+        if cutlass.const_expr(self.pingpong):
+            next_wg = wg_idx + 1
+            if next_wg == self.num_mma_wg:
+                next_wg = 0
+            cute.arch.barrier_arrive(
+                barrier_id=int(NamedBarrier.WG_TURN_0) + next_wg, number_of_threads=256
+            )
+
+    @cute.jit
+    def epilogue(
+        self, acc_O, lse, mO, mLSE, sQ, sO_layout, tma_atom_O, tiled_mma_pv, tidx,
+        m_block, head, batch, seqlen,
+    ):
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        sO = cute.make_tensor(sQ.iterator, sQ.layout)
+        # every warpgroup's last QK^T WGMMA must have read sQ before sO overwrites it
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+        store_atom = sm90_helpers.get_smem_store_op(
+            cutlass.utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32
+        )
+        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+        # generic-proxy smem writes must be visible to the TMA (async proxy) that reads them
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+
+        d = self.head_dim
+        if tidx // 32 == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1),
+                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+        # LSE: the quad's column-0 thread writes its rows, clipped to seqlen_q
+        thr_mma = tiled_mma_pv.get_slice(tidx)
+        tOcO = mma_sm90.acc_as_rows_cols(
+            thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, d)))
+        )
+        mLSE_cur = mLSE[None, head, batch]
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + tOcO[r, 0][0]
+                if row < seqlen.seqlen_q:
+                    mLSE_cur[row] = lse[r]
