@@ -43,7 +43,7 @@ def make_smem_layout(
     """A row-major (rows, cols[, stages]) tile with the widest swizzle the row allows
     (128 B for head dims >= 64): conflict-free for TMA writes and WGMMA reads."""
     atom_kind = sm90_helpers.get_smem_layout_atom(
-        cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, cols
+        cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, cols
     )
     atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
     if stages is None:

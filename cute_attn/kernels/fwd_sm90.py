@@ -458,7 +458,7 @@ class FlashFwdSm90:
         # every warpgroup's last QK^T WGMMA must have read sQ before sO overwrites it
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         store_atom = sm90_helpers.get_smem_store_op(
-            cutlass.utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32
+            cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32
         )
         thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
         cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))

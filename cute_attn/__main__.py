@@ -1,0 +1,39 @@
+"""Command line: `python -m cute_attn ptx ...` (see cute_attn.ptx)."""
+
+import argparse
+import sys
+
+from cute_attn.validation import SUPPORTED_HEAD_DIMS
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cute_attn")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("ptx", help="compile a forward specialisation for sm_90a and print its PTX")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--headdim", type=int, choices=SUPPORTED_HEAD_DIMS, default=128)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--out", help="write the PTX here instead of stdout")
+    p.add_argument("--sass", action="store_true", help="also print SASS (needs cuobjdump)")
+    args = parser.parse_args(argv)
+
+    from cute_attn import ptx
+
+    art = ptx.compile_fwd_artifacts(args.dtype, args.headdim, args.causal)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(art.ptx)
+    else:
+        sys.stdout.write(art.ptx)
+    # the resource report goes to stderr so that stdout stays valid PTX
+    print(f"# {art.key}", file=sys.stderr)
+    print(art.ptxas_report, file=sys.stderr)
+    if "C7508" in art.ptxas_report:
+        print("WARNING: setmaxnreg was ignored by ptxas (C7508)", file=sys.stderr)
+    if args.sass:
+        print(ptx.sass(art.cubin))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

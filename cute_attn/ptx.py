@@ -1,0 +1,74 @@
+"""Compile a kernel specialisation for sm_90a on any machine (no GPU needed) and return
+its PTX, its cubin and what ptxas says about it (registers, spills, ignored setmaxnreg).
+
+    python -m cute_attn ptx --dtype bf16 --headdim 128 [--causal] [--out FILE] [--sass]
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+from cute_attn.config import choose_fwd_config
+from cute_attn.launcher import ARCH, FwdKey, compile_fwd
+
+
+@dataclass
+class CompiledArtifacts:
+    key: FwdKey
+    ptx: str
+    cubin: Optional[bytes]
+    ptxas_report: str  # ptxas -v lines, or why they are missing
+
+
+def compile_fwd_artifacts(dtype: str, head_dim: int, causal: bool) -> CompiledArtifacts:
+    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    key = FwdKey(dtype, head_dim, causal, choose_fwd_config(head_dim, causal))
+    # --keep-ptx dumps files into the working directory: keep them out of the caller's
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            fn = compile_fwd(key, "--keep-ptx --keep-cubin")
+            ptx, cubin = fn.__ptx__, fn.__cubin__
+        finally:
+            os.chdir(cwd)
+    return CompiledArtifacts(key, ptx, cubin, ptxas_report(ptx))
+
+
+def ptxas_report(ptx: str) -> str:
+    """Run the local ptxas -v for the resource report. An older ptxas than the DSL's
+    rejects the PTX .version line; the kernel uses nothing newer than sm_90a's ISA, so
+    the version is lowered to what that ptxas accepts (and the report says so)."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return "ptxas not found on PATH: no register/spill report"
+    note = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        for _ in range(2):
+            with open(src, "w") as f:
+                f.write(ptx)
+            run = subprocess.run(
+                [ptxas, f"-arch={ARCH}", "-v", src, "-o", out], capture_output=True, text=True
+            )
+            m = re.search(r"current version is '([\d.]+)'", run.stderr)
+            if run.returncode == 0 or m is None:
+                break
+            ptx = re.sub(r"^\.version [\d.]+", f".version {m.group(1)}", ptx, flags=re.M)
+            note = f"(PTX .version lowered to {m.group(1)} for the local ptxas)\n"
+    lines = [ln for ln in run.stderr.splitlines() if "Compiling entry" not in ln]
+    return note + "\n".join(lines)
+
+
+def sass(cubin: Optional[bytes]) -> str:
+    tool = shutil.which("cuobjdump")
+    if tool is None or cubin is None:
+        return "cuobjdump not found on PATH: no SASS here (the GPU machine has it)"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
