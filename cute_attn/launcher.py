@@ -83,6 +83,9 @@ def compile_fwd(key: FwdKey, extra_options: str = ""):
 
 _cache: dict = {}
 _cache_lock = threading.Lock()
+# (torch dtype, head_dim, causal) -> kernel of the default config: the per-call lookup
+# then hashes three plain values instead of building and hashing config dataclasses
+_default_kernels: dict = {}
 
 
 def get_fwd_kernel(key: FwdKey):
@@ -91,7 +94,10 @@ def get_fwd_kernel(key: FwdKey):
         with _cache_lock:
             fn = _cache.get(key)
             if fn is None:
-                fn = compile_fwd(key)
+                compiled = compile_fwd(key)
+                # call the tvm_ffi.Function underneath the DSL's keyword-argument wrapper
+                raw = getattr(compiled, "__tvm_ffi_object__", None)
+                fn = (raw() if raw is not None else None) or compiled
                 _cache[key] = fn
     return fn
 
@@ -110,9 +116,12 @@ def run_fwd(
     (batch, heads, seqlen_q)."""
     batch, seqlen_q, heads, head_dim = q.shape
     if config is None:
-        config = choose_fwd_config(head_dim, causal)
-    key = FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, causal, config)
-    fn = get_fwd_kernel(key)
+        fn = _default_kernels.get((q.dtype, head_dim, causal))
+        if fn is None:
+            key = FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, causal, choose_fwd_config(head_dim, causal))
+            fn = _default_kernels.setdefault((q.dtype, head_dim, causal), get_fwd_kernel(key))
+    else:
+        fn = get_fwd_kernel(FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, causal, config))
     out = torch.empty_like(q)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     fn(q, k, v, out, lse, softmax_scale)

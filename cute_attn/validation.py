@@ -7,6 +7,7 @@ dtype, shapes, head dim, strides, scale) comes before the device checks, so the 
 test suite exercises every check but the last two.
 """
 
+import functools
 import math
 import numbers
 
@@ -28,7 +29,13 @@ _COPY_HINT = "make a packed copy with .clone(memory_format=torch.contiguous_form
 
 def _device_capability(device):
     """(major, minor) of a CUDA device; a function so tests can monkeypatch it."""
-    return torch.cuda.get_device_capability(device)
+    return _capability_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of_index(index):
+    # cached: the query costs microseconds and a device's capability never changes
+    return torch.cuda.get_device_capability(index)
 
 
 def validate_fwd_inputs(q, k, v, softmax_scale):
@@ -134,8 +141,10 @@ def _check_scale(softmax_scale):
             "softmax_scale must be None or a Python float/int, "
             f"got {type(softmax_scale).__name__}"
         )
-    if not math.isfinite(softmax_scale) or softmax_scale == 0:
+    # positive: the kernel takes each row's max over raw scores and scales it after,
+    # which is the max of the scaled scores only when the scale is positive
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(
-            f"softmax_scale must be a finite nonzero number (or None for 1/sqrt(headdim)), "
+            f"softmax_scale must be a finite positive number (or None for 1/sqrt(headdim)), "
             f"got {softmax_scale}"
         )
