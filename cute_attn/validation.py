@@ -38,8 +38,37 @@ def _capability_of_index(index):
     return torch.cuda.get_device_capability(index)
 
 
+def _plainly_valid(q, k, v, softmax_scale):
+    """The common case in as few attribute reads as possible (this runs on every call;
+    measured ~8 us for the detailed checks on an H200 host). False means "look closer",
+    never "invalid": the detailed checks below then find and name the problem."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return False
+    qs, ks = q.shape, k.shape
+    if len(qs) != 4 or len(ks) != 4 or v.shape != ks:
+        return False
+    dtype = q.dtype
+    if (dtype is not torch.bfloat16 and dtype is not torch.float16) or k.dtype is not dtype or v.dtype is not dtype:
+        return False
+    b, sq, h, d = qs
+    if ks[0] != b or ks[2] != h or ks[3] != d or d not in SUPPORTED_HEAD_DIMS or sq < 1 or ks[1] < 1 or b < 1 or h < 1:
+        return False
+    for t in (q, k, v):
+        s0, s1, s2, s3 = t.stride()
+        if s3 != 1 or s0 % 8 or s1 % 8 or s2 % 8 or t.data_ptr() % 16:
+            return False
+    if softmax_scale is not None and not (type(softmax_scale) is float and 0.0 < softmax_scale < math.inf):
+        return False
+    device = q.device
+    if device.type != "cuda" or k.device != device or v.device != device:
+        return False
+    return _device_capability(device) == (9, 0)
+
+
 def validate_fwd_inputs(q, k, v, softmax_scale):
     """Raise TypeError/ValueError if (q, k, v, softmax_scale) cannot go to the kernel."""
+    if _plainly_valid(q, k, v, softmax_scale):
+        return
     tensors = dict(zip(_NAMES, (q, k, v)))
 
     for name, t in tensors.items():

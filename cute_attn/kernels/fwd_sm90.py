@@ -325,6 +325,8 @@ class FlashFwdSm90:
         pipeline_q.consumer_wait(q_state)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # O's rescale by the latest row-max change, applied just before the next PV WGMMA
+        pending_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
         if n_block_max > n_block_min:
             # First block: the only one that can be partial (end of keys); masked always.
             acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
@@ -335,7 +337,7 @@ class FlashFwdSm90:
             )
             pipeline_k.consumer_release(kv_state)
             mask.apply(acc_S, tScS, m_block, n_block_max - 1, mask_causal=True)
-            softmax.step(acc_S, is_first=True)
+            pending_scale.store(softmax.step(acc_S, is_first=True).load())
             tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
             if cutlass.const_expr(not self.intra_wg_overlap):
                 kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
@@ -351,15 +353,16 @@ class FlashFwdSm90:
                 kv_state = self.mainloop_step(
                     n_block_max - 2 - i, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape,
                     tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax, mask, tScS,
-                    m_block, wg_idx, mask_causal=True,
+                    m_block, wg_idx, pending_scale, mask_causal=True,
                 )
             for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
                 kv_state = self.mainloop_step(
                     n_block_unmasked - 1 - i, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt,
                     acc_S_shape, tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax,
-                    mask, tScS, m_block, wg_idx, mask_causal=False,
+                    mask, tScS, m_block, wg_idx, pending_scale, mask_causal=False,
                 )
             if cutlass.const_expr(self.intra_wg_overlap):
+                softmax.rescale(acc_O, pending_scale)
                 kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
 
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
@@ -373,7 +376,7 @@ class FlashFwdSm90:
     def mainloop_step(
         self, n_block, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape,
         tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax, mask, tScS, m_block,
-        wg_idx, mask_causal: cutlass.Constexpr[bool],
+        wg_idx, pending_scale, mask_causal: cutlass.Constexpr[bool],
     ):
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         if cutlass.const_expr(self.intra_wg_overlap):
@@ -387,6 +390,10 @@ class FlashFwdSm90:
                 tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
                 zero_init=True, wait_groups=-1,
             )
+            # Rescale O here, under the QK^T WGMMA, not after the softmax: touching O's
+            # registers there made ptxas hoist the wait on the PV WGMMA above the exp2s,
+            # which serialised the softmax behind PV (seen in SASS).
+            softmax.rescale(acc_O, pending_scale)
             pipeline_v.consumer_wait(v_state)
             mma_sm90.gemm(
                 tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
@@ -397,11 +404,10 @@ class FlashFwdSm90:
             pipeline_k.consumer_release(kv_state)
             if cutlass.const_expr(mask_causal):
                 mask.apply(acc_S, tScS, m_block, n_block, mask_causal=True)
-            row_scale = softmax.step(acc_S, is_first=False)
+            pending_scale.store(softmax.step(acc_S, is_first=False).load())
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(v_state)
             tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
-            softmax.rescale(acc_O, row_scale)
         else:
             pipeline_k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
