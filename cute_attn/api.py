@@ -27,8 +27,18 @@ def mha(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
     """
     validate_fwd_inputs(q, k, v, softmax_scale)
     scale = softmax_scale if softmax_scale is not None else q.shape[3] ** -0.5
-    # Imported here so `import cute_attn` stays fast and does not need the CuTe DSL.
-    from cute_attn import launcher
-
-    out, lse = launcher.run_fwd(q, k, v, causal=bool(causal), softmax_scale=float(scale))
+    out, lse = _launcher().run_fwd(q, k, v, causal=bool(causal), softmax_scale=float(scale))
     return (out, lse) if return_lse else out
+
+
+_launcher_module = None
+
+
+def _launcher():
+    # imported on first use so that `import cute_attn` stays fast and needs no CuTe DSL
+    global _launcher_module
+    if _launcher_module is None:
+        from cute_attn import launcher
+
+        _launcher_module = launcher
+    return _launcher_module

@@ -7,7 +7,6 @@ dtype, shapes, head dim, strides, scale) comes before the device checks, so the 
 test suite exercises every check but the last two.
 """
 
-import functools
 import math
 import numbers
 
@@ -27,15 +26,15 @@ _ALIGN_ELEMS = 8
 _COPY_HINT = "make a packed copy with .clone(memory_format=torch.contiguous_format)"
 
 
+_capabilities = {}  # torch.device -> (major, minor): the query costs microseconds per call
+
+
 def _device_capability(device):
     """(major, minor) of a CUDA device; a function so tests can monkeypatch it."""
-    return _capability_of_index(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_of_index(index):
-    # cached: the query costs microseconds and a device's capability never changes
-    return torch.cuda.get_device_capability(index)
+    cap = _capabilities.get(device)
+    if cap is None:
+        cap = _capabilities[device] = tuple(torch.cuda.get_device_capability(device))
+    return cap
 
 
 def _plainly_valid(q, k, v, softmax_scale):
