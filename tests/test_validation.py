@@ -208,6 +208,8 @@ def _fake_launcher(monkeypatch, run_fwd):
     stub.run_fwd = run_fwd
     monkeypatch.setitem(sys.modules, "cute_attn.launcher", stub)
     monkeypatch.setattr(cute_attn, "launcher", stub, raising=False)
+    # mha caches the launcher module after its first import
+    monkeypatch.setattr(cute_attn.api, "_launcher_module", stub)
 
 
 def _fail_if_called(*args, **kwargs):
