@@ -24,7 +24,7 @@ def variants_for(head_dim: int, causal: bool) -> dict:
     base = choose_fwd_config(head_dim, causal)
     out = {
         "default": base,
-        "no_pingpong": dataclasses.replace(base, pingpong=False),
+        "flip_pingpong": dataclasses.replace(base, pingpong=not base.pingpong),
         "no_intra_wg_overlap": dataclasses.replace(base, intra_wg_overlap=False),
         "stages_3": dataclasses.replace(base, num_stages=3),
     }
