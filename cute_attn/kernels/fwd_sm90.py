@@ -41,6 +41,7 @@ from typing import Type
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32
@@ -178,7 +179,7 @@ class FlashFwdSm90:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # consumers release a stage with one arrive per warp (lane 0)
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
@@ -222,7 +223,7 @@ class FlashFwdSm90:
             self.consume(
                 mO, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
                 tiled_mma_qk, tiled_mma_pv, scheduler, block_range, seqlen,
-                scale_log2, tidx - 128, sQ_layout,
+                scale_log2, tidx - 128,
             )
 
     # ------------------------------------------------------------------------------------
@@ -287,7 +288,6 @@ class FlashFwdSm90:
     def consume(
         self, mO, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
         tiled_mma_qk, tiled_mma_pv, scheduler, block_range, seqlen, scale_log2, tidx,
-        sO_layout,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
@@ -368,8 +368,7 @@ class FlashFwdSm90:
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         softmax.finalize(acc_O, lse)
         self.epilogue(
-            acc_O, lse, mO, mLSE, sQ, sO_layout, tma_atom_O, tiled_mma_pv, tidx,
-            m_block, head, batch, seqlen,
+            acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen,
         )
 
     @cute.jit
@@ -455,12 +454,11 @@ class FlashFwdSm90:
 
     @cute.jit
     def epilogue(
-        self, acc_O, lse, mO, mLSE, sQ, sO_layout, tma_atom_O, tiled_mma_pv, tidx,
-        m_block, head, batch, seqlen,
+        self, acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen,
     ):
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        sO = cute.make_tensor(sQ.iterator, sQ.layout)
+        sO = sQ  # Q's buffer and layout: Q is dead once every warpgroup passed the barrier below
         # every warpgroup's last QK^T WGMMA must have read sQ before sO overwrites it
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         store_atom = sm90_helpers.get_smem_store_op(
