@@ -24,19 +24,17 @@ class CompiledArtifacts:
     ptxas_report: str  # ptxas -v lines, or why they are missing
 
 
+# --keep-ptx also dumps files into the DSL's dump directory, which defaults to the working
+# directory of the process; send them to a scratch folder unless the user chose one.
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "cute_attn_dump"))
+os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
+
+
 def compile_fwd_artifacts(dtype: str, head_dim: int, causal: bool) -> CompiledArtifacts:
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     key = FwdKey(dtype, head_dim, causal, choose_fwd_config(head_dim, causal))
-    # --keep-ptx dumps files into the working directory: keep them out of the caller's
-    cwd = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
-        try:
-            fn = compile_fwd(key, "--keep-ptx --keep-cubin")
-            ptx, cubin = fn.__ptx__, fn.__cubin__
-        finally:
-            os.chdir(cwd)
-    return CompiledArtifacts(key, ptx, cubin, ptxas_report(ptx))
+    fn = compile_fwd(key, "--keep-ptx --keep-cubin")
+    return CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))
 
 
 def ptxas_report(ptx: str) -> str:

@@ -1,7 +1,15 @@
 """Shared test setup: detect an sm_90 GPU and skip `gpu`-marked tests without one."""
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# The compile tests keep PTX/cubin (--keep-ptx); the DSL writes them to its dump directory,
+# fixed when it is first imported, and by default the working directory: not the checkout.
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "cute_attn_dump"))
+os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
 
 GPU_SKIP_REASON = "needs an sm_90 (H100/H200) GPU; none found"
 
