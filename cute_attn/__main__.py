@@ -9,7 +9,9 @@ from cute_attn.validation import SUPPORTED_HEAD_DIMS
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cute_attn")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ptx", help="compile a forward specialisation for sm_90a and print its PTX")
+    p = sub.add_parser("ptx", help="compile a kernel specialisation for sm_90a and print its PTX")
+    p.add_argument("--kernel", choices=("fwd", "bwd"), default="fwd",
+                   help="bwd: the preprocess, main and postprocess kernels of the backward")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--headdim", type=int, choices=SUPPORTED_HEAD_DIMS, default=128)
     p.add_argument("--causal", action="store_true")
@@ -19,19 +21,24 @@ def main(argv=None) -> int:
 
     from cute_attn import ptx
 
-    art = ptx.compile_fwd_artifacts(args.dtype, args.headdim, args.causal)
+    if args.kernel == "fwd":
+        arts = {"forward": ptx.compile_fwd_artifacts(args.dtype, args.headdim, args.causal)}
+    else:
+        arts = ptx.compile_bwd_artifacts(args.dtype, args.headdim, args.causal)
+    text = "".join(f"// ===== {name} =====\n{art.ptx}" for name, art in arts.items())
     if args.out:
         with open(args.out, "w") as f:
-            f.write(art.ptx)
+            f.write(text)
     else:
-        sys.stdout.write(art.ptx)
-    # the resource report goes to stderr so that stdout stays valid PTX
-    print(f"# {art.key}", file=sys.stderr)
-    print(art.ptxas_report, file=sys.stderr)
-    if "C7508" in art.ptxas_report:
-        print("WARNING: setmaxnreg was ignored by ptxas (C7508)", file=sys.stderr)
-    if args.sass:
-        print(ptx.sass(art.cubin))
+        sys.stdout.write(text)
+    for name, art in arts.items():
+        # the resource report goes to stderr so that stdout stays valid PTX
+        print(f"# {name}: {art.key}", file=sys.stderr)
+        print(art.ptxas_report, file=sys.stderr)
+        if "C7508" in art.ptxas_report:
+            print(f"WARNING: {name}: setmaxnreg was ignored by ptxas (C7508)", file=sys.stderr)
+        if args.sass:
+            print(ptx.sass(art.cubin))
     return 0
 
 

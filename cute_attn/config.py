@@ -44,3 +44,40 @@ def choose_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     if head_dim <= 192:
         return FwdConfig(tile_m=128, tile_n=96, num_stages=2)
     return FwdConfig(tile_m=128, tile_n=80, num_stages=2)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tile shape of the Hopper backward (kernels/bwd_sm90.py). A CTA owns tile_n keys (64
+    per consumer warpgroup, which holds their dK and dV accumulators in registers for the
+    whole kernel) and walks query blocks of tile_m rows through num_stages-deep Q and dO
+    rings."""
+
+    tile_m: int = 64  # query rows per mainloop step (the N of S^T = K Q^T)
+    tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup
+    num_stages: int = 2  # depth of the Q (+LSE) and dO (+D) rings
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_n // 64
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_mma_warpgroups + 1)
+
+    def __post_init__(self):
+        if self.tile_n % 64 or not 1 <= self.tile_n // 64 <= 2:
+            raise ValueError(f"tile_n must be 64 or 128, got {self.tile_n}")
+        if self.tile_m % 16 or not 16 <= self.tile_m <= 128:
+            raise ValueError(f"tile_m must be a multiple of 16 in [16, 128], got {self.tile_m}")
+
+
+# Head dims the backward supports: each consumer warpgroup keeps a 64 x head_dim dK and dV
+# accumulator in registers (2 * head_dim / 2 registers per thread), which leaves room for
+# the S, dP and dQ tiles only up to head dim 128.
+BWD_HEAD_DIMS = (64, 96, 128)
+
+
+def choose_bwd_config(head_dim: int, causal: bool) -> BwdConfig:
+    """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages."""
+    return BwdConfig(tile_m=64, tile_n=128, num_stages=2)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from cute_attn.config import FwdConfig, choose_fwd_config
+from cute_attn.config import BWD_HEAD_DIMS, BwdConfig, FwdConfig, choose_bwd_config, choose_fwd_config
 
 ARCH = "sm_90a"
 _TORCH_TO_DSL = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -36,6 +36,18 @@ def _dsl_dtype(name: str):
     import cutlass
 
     return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[name]
+
+
+def _fake_bshd(dtype, batch, seqlen, heads, head_dim: int, name: str):
+    """(batch, seqlen, heads, head_dim) with head_dim contiguous; the other strides are
+    64-bit and declared multiples of 8 elements (16 bytes, as TMA requires; validation
+    checks it before a call); the pointer 16-byte aligned."""
+    import cutlass.cute as cute
+
+    strides = tuple(cute.sym_int64(divisibility=8, symbol=f"{name}_stride{i}") for i in range(3))
+    return cute.runtime.make_fake_tensor(
+        dtype, (batch, seqlen, heads, head_dim), stride=(*strides, 1), assumed_align=16
+    )
 
 
 def _fake_fwd_args(key: FwdKey):
@@ -126,3 +138,132 @@ def run_fwd(
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     fn(q, k, v, out, lse, softmax_scale)
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# Backward: preprocess (D, LSE2) -> main kernel (dK, dV, dQ_accum) -> postprocess (dQ)
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BwdKey:
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    causal: bool
+    config: BwdConfig
+    arch: str = ARCH
+
+
+def _fake_bwd_args(key: BwdKey):
+    """Symbolic stand-ins for the three backward kernels' arguments:
+    (pre_args, main_args, post_args)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    dtype = _dsl_dtype(key.dtype)
+    d = key.head_dim
+    batch, heads = cute.sym_int32(symbol="batch"), cute.sym_int32(symbol="heads")
+    seqlen_q, seqlen_k = cute.sym_int32(symbol="seqlen_q"), cute.sym_int32(symbol="seqlen_k")
+    # seqlen_q rounded up to tile_m: the padded LSE2/D rows; dQ_accum is tile-chunked
+    seqlen_q_pad = cute.sym_int32(divisibility=key.config.tile_m, symbol="seqlen_q_pad")
+    accum_len = cute.sym_int32(divisibility=key.config.tile_m * d, symbol="dq_accum_len")
+
+    def rowwise(n, name, align=4, divisibility=1):
+        # (batch, heads, n) float32, contiguous
+        return cute.runtime.make_fake_tensor(
+            cutlass.Float32, (batch, heads, n),
+            stride=(cute.sym_int64(divisibility=divisibility, symbol=f"{name}_stride0"),
+                    cute.sym_int64(divisibility=divisibility, symbol=f"{name}_stride1"), 1),
+            assumed_align=align,
+        )
+
+    q, dq, o, do = (_fake_bshd(dtype, batch, seqlen_q, heads, d, n) for n in ("q", "dq", "o", "do"))
+    k, v, dk, dv = (_fake_bshd(dtype, batch, seqlen_k, heads, d, n) for n in ("k", "v", "dk", "dv"))
+    lse = rowwise(seqlen_q, "lse")
+    # 16-byte aligned chunks: the bulk copies of the main kernel need it
+    lse2 = rowwise(seqlen_q_pad, "lse2", align=16, divisibility=4)
+    dsum = rowwise(seqlen_q_pad, "dsum", align=16, divisibility=4)
+    dq_accum = rowwise(accum_len, "dq_accum", align=16, divisibility=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    scale = cutlass.Float32(1.0)
+    return (
+        (o, do, lse, lse2, dsum, stream),
+        (q, k, v, do, lse2, dsum, dq_accum, dk, dv, scale, stream),
+        (dq_accum, dq, scale, stream),
+    )
+
+
+def compile_bwd(key: BwdKey, extra_options: str = ""):
+    """Compile the three backward kernels of one specialisation; returns the TVM-FFI
+    callables (preprocess, main, postprocess)."""
+    import cutlass.cute as cute
+
+    from cute_attn.kernels.bwd_prepost import BwdPostprocess, BwdPreprocess
+    from cute_attn.kernels.bwd_sm90 import FlashBwdSm90
+
+    if key.head_dim not in BWD_HEAD_DIMS:
+        raise NotImplementedError(
+            f"cute_attn's backward supports head dims {BWD_HEAD_DIMS}, got {key.head_dim}"
+        )
+    os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
+    dtype, cfg = _dsl_dtype(key.dtype), key.config
+    options = ("--enable-tvm-ffi " + extra_options).strip()
+    pre_args, main_args, post_args = _fake_bwd_args(key)
+    pre = cute.compile(BwdPreprocess(dtype, key.head_dim, cfg.tile_m), *pre_args, options=options)
+    main = cute.compile(FlashBwdSm90(dtype, key.head_dim, key.causal, cfg), *main_args, options=options)
+    post = cute.compile(
+        BwdPostprocess(dtype, key.head_dim, cfg.tile_m, cfg.num_mma_warpgroups), *post_args, options=options
+    )
+    return pre, main, post
+
+
+def _raw(compiled):
+    # the tvm_ffi.Function underneath the DSL's keyword-argument wrapper
+    raw = getattr(compiled, "__tvm_ffi_object__", None)
+    return (raw() if raw is not None else None) or compiled
+
+
+def get_bwd_kernels(key: BwdKey):
+    fns = _cache.get(key)
+    if fns is None:
+        with _cache_lock:
+            fns = _cache.get(key)
+            if fns is None:
+                fns = tuple(_raw(f) for f in compile_bwd(key))
+                _cache[key] = fns
+    return fns
+
+
+def run_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool = False,
+    config: Optional[BwdConfig] = None,
+):
+    """Gradients (dq, dk, dv) of the forward that produced (out, lse), each laid out like
+    its input. dout must be TMA-addressable like q (validation.prepare_dout)."""
+    if deterministic:
+        raise NotImplementedError("deterministic=True backward is not implemented yet")
+    batch, seqlen_q, heads, head_dim = q.shape
+    if config is None:
+        config = choose_bwd_config(head_dim, causal)
+    pre, main, post = get_bwd_kernels(BwdKey(_TORCH_TO_DSL[q.dtype], head_dim, causal, config))
+    m_blocks = (seqlen_q + config.tile_m - 1) // config.tile_m
+    rows = m_blocks * config.tile_m
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((batch, heads, rows), **f32)
+    dsum = torch.empty((batch, heads, rows), **f32)
+    # bulk reduce-adds accumulate into it, so it starts at zero
+    dq_accum = torch.zeros((batch, heads, rows * head_dim), **f32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    pre(out, dout, lse, lse2, dsum)
+    main(q, k, v, dout, lse2, dsum, dq_accum, dk, dv, softmax_scale)
+    post(dq_accum, dq, softmax_scale)
+    return dq, dk, dv

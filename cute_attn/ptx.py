@@ -1,7 +1,11 @@
 """Compile a kernel specialisation for sm_90a on any machine (no GPU needed) and return
 its PTX, its cubin and what ptxas says about it (registers, spills, ignored setmaxnreg).
 
-    python -m cute_attn ptx --dtype bf16 --headdim 128 [--causal] [--out FILE] [--sass]
+    python -m cute_attn ptx [--kernel fwd|bwd] --dtype bf16 --headdim 128 [--causal]
+                            [--out FILE] [--sass]
+
+The backward is three kernels (preprocess, main, postprocess); each gets its own PTX and
+resource report.
 """
 
 import os
@@ -12,13 +16,13 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from cute_attn.config import choose_fwd_config
-from cute_attn.launcher import ARCH, FwdKey, compile_fwd
+from cute_attn.config import choose_bwd_config, choose_fwd_config
+from cute_attn.launcher import ARCH, BwdKey, FwdKey, compile_bwd, compile_fwd
 
 
 @dataclass
 class CompiledArtifacts:
-    key: FwdKey
+    key: object  # FwdKey or BwdKey
     ptx: str
     cubin: Optional[bytes]
     ptxas_report: str  # ptxas -v lines, or why they are missing
@@ -35,6 +39,17 @@ def compile_fwd_artifacts(dtype: str, head_dim: int, causal: bool) -> CompiledAr
     key = FwdKey(dtype, head_dim, causal, choose_fwd_config(head_dim, causal))
     fn = compile_fwd(key, "--keep-ptx --keep-cubin")
     return CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))
+
+
+def compile_bwd_artifacts(dtype: str, head_dim: int, causal: bool) -> dict:
+    """{"preprocess" | "main" | "postprocess": CompiledArtifacts} of one backward."""
+    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    key = BwdKey(dtype, head_dim, causal, choose_bwd_config(head_dim, causal))
+    fns = compile_bwd(key, "--keep-ptx --keep-cubin")
+    return {
+        name: CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))
+        for name, fn in zip(("preprocess", "main", "postprocess"), fns)
+    }
 
 
 def ptxas_report(ptx: str) -> str:

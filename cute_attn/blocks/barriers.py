@@ -4,9 +4,15 @@ import enum
 
 
 class NamedBarrier(enum.IntEnum):
-    # all consumer threads: sO (aliasing sQ) may be written once every warpgroup is done with Q
+    # all consumer threads: an smem tile may be (re)written once every warpgroup is done
+    # reading it (forward: sO over sQ; backward: dK, dV over sK, sV)
     EPILOGUE = 1
-    # ping-pong: warpgroup i waits on WG_TURN_0 + i before issuing its WGMMAs
+    # forward ping-pong: warpgroup i waits on WG_TURN_0 + i before issuing its WGMMAs
     WG_TURN_0 = 2
     WG_TURN_1 = 3
     WG_TURN_2 = 4
+    # backward dQ hand-off between the consumers and the dQ writer warp (see bwd_sm90.py)
+    DQ_FULL = 5
+    DQ_EMPTY = 6
+    # backward: every consumer warpgroup has written its rows of dS to shared memory
+    DS_READY = 7

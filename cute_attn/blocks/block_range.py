@@ -37,3 +37,24 @@ class BlockRange(Staged):
         causal mask; blocks below it are fully visible to every row."""
         first_row_visible = m_block * self.tile_m + 1 + seqlen.seqlen_k - seqlen.seqlen_q
         return cutlass.max(n_block_min, cutlass.max(first_row_visible, 0) // self.tile_n)
+
+    # The backward walks the other way: a CTA owns one KV block and visits query blocks.
+
+    @cute.jit
+    def m_block_min_max(self, seqlen: SeqlenInfo, n_block: Int32):
+        """[m_min, m_max): the query blocks that see at least one key of this KV block."""
+        m_block_max = cute.ceil_div(seqlen.seqlen_q, self.tile_m)
+        m_block_min = Int32(0)
+        if cutlass.const_expr(self.causal):
+            # the block's first key is visible from query (key - seqlen_k + seqlen_q) on
+            first_query = n_block * self.tile_n - seqlen.seqlen_k + seqlen.seqlen_q
+            m_block_min = cutlass.min(cutlass.max(first_query, 0) // self.tile_m, m_block_max)
+        return m_block_min, m_block_max
+
+    @cute.jit
+    def m_block_max_causal_mask(self, seqlen: SeqlenInfo, n_block: Int32, m_block_min: Int32, m_block_max: Int32):
+        """Query blocks below this index straddle the diagonal for some key of the KV
+        block and need the causal mask; blocks from it on see every key of the block."""
+        last_key_first_query = (n_block + 1) * self.tile_n - 1 - seqlen.seqlen_k + seqlen.seqlen_q
+        end = cute.ceil_div(cutlass.max(last_key_first_query, 0), self.tile_m)
+        return cutlass.max(cutlass.min(end, m_block_max), m_block_min)

@@ -23,15 +23,20 @@ def make_tiled_mma(
     tile_n: int,
     num_warpgroups: int,
     a_in_registers: bool = False,
+    a_major: OperandMajorMode = OperandMajorMode.K,
+    warpgroups_along_n: bool = False,
 ) -> cute.TiledMma:
-    """A (64 * num_warpgroups) x tile_n WGMMA, A K-major, warpgroups stacked along M."""
+    """A 64 x tile_n WGMMA per warpgroup, fp32 accumulation. Warpgroups are stacked along
+    M (each owns 64 rows) or, with warpgroups_along_n, side by side along N (each owns
+    tile_n columns of a 64-row tile)."""
+    atom_layout = (1, num_warpgroups, 1) if warpgroups_along_n else (num_warpgroups, 1, 1)
     return sm90_helpers.make_trivial_tiled_mma(
         dtype,
         dtype,
-        OperandMajorMode.K,
+        a_major,
         b_major,
         Float32,
-        atom_layout_mnk=(num_warpgroups, 1, 1),
+        atom_layout_mnk=atom_layout,
         tiler_mn=(64, tile_n),
         a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
     )

@@ -76,3 +76,15 @@ class OnlineSoftmax(Staged):
                 if empty
                 else (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * ln2
             )
+
+
+@cute.jit
+def probs_from_lse(acc_S: cute.Tensor, lse_log2_cols: cute.Tensor, scale_log2: Float32):
+    """The backward's softmax: recompute P = exp2(S * scale_log2 - LSE * log2(e)) in place
+    from the forward's saved LSE, for an S^T tile (keys on rows, queries on columns), so
+    lse_log2_cols holds one value per column of this thread. Masked scores (-inf) and rows
+    whose LSE was stored as +inf (no visible key, or padding) give P = 0."""
+    S = acc_as_rows_cols(acc_S)
+    for r in cutlass.range_constexpr(cute.size(S.shape[0])):
+        for c in cutlass.range_constexpr(cute.size(S.shape[1])):
+            S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2_cols[c], fastmath=True)

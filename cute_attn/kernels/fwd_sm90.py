@@ -43,12 +43,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from cute_attn.blocks import mma_sm90
+from cute_attn.blocks import epilogue, mma_sm90
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.mask import AttentionMask
@@ -456,30 +455,17 @@ class FlashFwdSm90:
     def epilogue(
         self, acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen,
     ):
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
         sO = sQ  # Q's buffer and layout: Q is dead once every warpgroup passed the barrier below
         # every warpgroup's last QK^T WGMMA must have read sQ before sO overwrites it
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
-        store_atom = sm90_helpers.get_smem_store_op(
-            cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32
-        )
-        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
-        cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+        epilogue.acc_to_smem(acc_O, sO, tiled_mma_pv, tidx, self.dtype)
         # generic-proxy smem writes must be visible to the TMA (async proxy) that reads them
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
-
         d = self.head_dim
         if tidx // 32 == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_O, 0, cute.make_layout(1),
-                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2),
-            )
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            epilogue.tma_store_tile(tma_atom_O, sO, gO)
 
         # LSE: the quad's column-0 thread writes its rows, clipped to seqlen_q
         thr_mma = tiled_mma_pv.get_slice(tidx)

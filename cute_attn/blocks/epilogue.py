@@ -1,0 +1,48 @@
+"""Writing a finished accumulator tile out: registers -> shared memory (stmatrix) -> global
+memory (one TMA bulk store, clipped to the tensor's bounds by the tensor map). Used for O
+in the forward and for dK, dV in the backward. The barriers around these steps belong to
+the kernels: they know who else reads the shared buffer."""
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32
+from cutlass.cute.nvgpu import cpasync
+
+
+@cute.jit
+def acc_to_smem(
+    acc: cute.Tensor,
+    sX: cute.Tensor,
+    tiled_mma: cute.TiledMma,
+    tidx,
+    dtype: cutlass.Constexpr,
+    scale: Optional[Float32] = None,
+):
+    """Convert this thread's fp32 accumulator slice (times scale) to dtype and store it
+    into the row-major swizzled tile sX with stmatrix. The caller fences
+    (fence_view_async_shared) and synchronises before a TMA reads sX."""
+    rX = cute.make_rmem_tensor_like(acc, dtype)
+    if cutlass.const_expr(scale is None):
+        rX.store(acc.load().to(dtype))
+    else:
+        rX.store((acc.load() * scale).to(dtype))
+    store_atom = sm90_helpers.get_smem_store_op(
+        cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, Float32
+    )
+    thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma).get_slice(tidx)
+    cute.copy(store_atom, thr_store.retile(rX), thr_store.partition_D(sX))
+
+
+@cute.jit
+def tma_store_tile(tma_atom: cute.CopyAtom, sX: cute.Tensor, gX: cute.Tensor):
+    """One thread's worth of work (call it from a single warp): issue the TMA store of
+    the shared tile sX to gX and wait until it has read shared memory."""
+    tXsX, tXgX = cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+    )
+    cute.copy(tma_atom, tXsX, tXgX)
+    cute.arch.cp_async_bulk_commit_group()
+    cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,171 @@
+"""cute_attn.mha's backward on an sm_90 GPU against autograd through the fp32 reference
+(skipped without one).
+
+Accuracy rule, as for the forward: each gradient's max error against the fp32 reference
+must be within 2x the error of the same backward computed by torch in the input dtype
+(autograd through attention_ref(upcast=False)), plus the rounding of the reference itself
+to the input dtype (the kernel returns gradients in that dtype).
+"""
+
+import pytest
+import torch
+
+import cute_attn
+from cute_attn.config import BWD_HEAD_DIMS
+from cute_attn.reference import attention_ref
+
+pytestmark = pytest.mark.gpu
+BF16, FP16 = torch.bfloat16, torch.float16
+
+PAIRS = [
+    (1, 1), (17, 17), (17, 1000), (128, 128), (128, 129), (129, 128), (129, 17),
+    (1000, 1000), (1000, 1), (1, 1000),
+]
+SUBSET = [(17, 1000), (129, 128), (1000, 129)]
+FULL = [(BF16, 128, b, h, sq, sk) for b, h in ((1, 1), (3, 4)) for sq, sk in PAIRS]
+FULL += [(BF16, 128, 1, 2, 4096, 4096), (BF16, 128, 1, 2, 4096, 129)]
+PARTIAL = [(dt, d, 3, 4, sq, sk) for dt, d in ((FP16, 128), (BF16, 64), (FP16, 64), (BF16, 96))
+           for sq, sk in SUBSET]
+
+
+def _case_id(case):
+    dtype, d, b, h, sq, sk = case
+    return f"{str(dtype).removeprefix('torch.')}-d{d}-b{b}-h{h}-sq{sq}-sk{sk}"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _exact_fp32_matmul():
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
+def _inputs(b, sq, sk, h, d, dtype, seed=0):
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda") for s in (sq, sk, sk))
+    dout = torch.randn(b, sq, h, d, dtype=dtype, device="cuda")
+    return q, k, v, dout
+
+
+def _poison_allocator(*nbytes):
+    """The next CUDA allocations of these sizes come back full of 0xFF bytes (NaN in
+    fp16/bf16/fp32), so a gradient element the kernels never write fails the checks.
+    See tests/test_mha_gpu.py for why this works with torch's caching allocator."""
+    torch.cuda.empty_cache()
+    for order in (nbytes, nbytes[::-1]):
+        bufs = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in order]
+        del bufs
+
+
+def _kernel_grads(q, k, v, dout, **kwargs):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = cute_attn.mha(q, k, v, **kwargs)
+    _poison_allocator(q.numel() * q.element_size(), k.numel() * k.element_size())
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def _ref_grads(q, k, v, dout, upcast, **kwargs):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, _ = attention_ref(q, k, v, upcast=upcast, **kwargs)
+    return torch.autograd.grad(out, (q, k, v), dout.to(out.dtype))
+
+
+def _check_grads(q, k, v, dout, grads, **kwargs):
+    ref = _ref_grads(q, k, v, dout, upcast=True, **kwargs)
+    low = _ref_grads(q, k, v, dout, upcast=False, **kwargs)
+    for name, g, g_ref, g_low, x in zip("qkv", grads, ref, low, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert not g.isnan().any(), f"d{name} has NaN"
+        assert torch.isfinite(g).all(), f"d{name} not finite"
+        err = (g.float() - g_ref).abs().max().item()
+        err_torch = (g_low.float() - g_ref).abs().max().item()
+        rounding = (g_ref.to(x.dtype).float() - g_ref).abs().max().item()
+        assert err <= 2 * err_torch + 2 * rounding + 1e-5, (
+            f"d{name}: kernel error {err:.3g} > 2 x torch {x.dtype} error {err_torch:.3g}"
+            f" + 2 x rounding {rounding:.3g}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", FULL + PARTIAL, ids=_case_id)
+def test_grads_match_reference(case, causal):
+    dtype, d, b, h, sq, sk = case
+    q, k, v, dout = _inputs(b, sq, sk, h, d, dtype)
+    grads = _kernel_grads(q, k, v, dout, causal=causal)
+    _check_grads(q, k, v, dout, grads, causal=causal)
+
+
+@pytest.mark.parametrize("softmax_scale", [0.05, 2.0])
+def test_softmax_scale(softmax_scale):
+    q, k, v, dout = _inputs(2, 129, 300, 4, 128, BF16)
+    grads = _kernel_grads(q, k, v, dout, causal=True, softmax_scale=softmax_scale)
+    _check_grads(q, k, v, dout, grads, causal=True, softmax_scale=softmax_scale)
+
+
+def test_rows_that_see_no_key_get_zero_grads():
+    sq, sk = 1000, 129
+    q, k, v, dout = _inputs(3, sq, sk, 4, 128, BF16)
+    dq, dk, dv = _kernel_grads(q, k, v, dout, causal=True)
+    empty = sq - sk  # bottom-right causal: queries 0..870 see no key
+    assert torch.equal(dq[:, :empty], torch.zeros_like(dq[:, :empty]))
+    _check_grads(q, k, v, dout, (dq, dk, dv), causal=True)
+
+
+def test_dk_dv_repeatable_and_dq_close():
+    """dK and dV have one writer each, so they are bit-identical run to run; dQ is summed
+    with unordered atomics in the default mode, so only close."""
+    q, k, v, dout = _inputs(2, 1000, 1000, 4, 128, BF16)
+    g1 = _kernel_grads(q, k, v, dout, causal=True)
+    g2 = _kernel_grads(q, k, v, dout, causal=True)
+    assert torch.equal(g1[1], g2[1]) and torch.equal(g1[2], g2[2])
+    torch.testing.assert_close(g1[0], g2[0], atol=1e-2, rtol=0)
+
+
+def _stride_order(t):
+    return sorted(range(t.dim()), key=lambda i: -t.stride(i))
+
+
+def test_transposed_bhsd_layout():
+    b, sq, sk, h, d = 2, 300, 129, 4, 128
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(b, h, s, d, dtype=BF16, device="cuda").transpose(1, 2)
+                     for s in (sq, sk, sk, sq))
+    grads = _kernel_grads(q, k, v, dout, causal=True)
+    for g, x in zip(grads, (q, k, v)):
+        assert _stride_order(g) == _stride_order(x)
+    _check_grads(q, k, v, dout, grads, causal=True)
+
+
+def test_expanded_dout_from_sum():
+    """out.sum().backward() hands the backward a stride-0 dout; it must still work."""
+    q, k, v, _ = _inputs(1, 129, 129, 2, 64, BF16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cute_attn.mha(q, k, v, causal=True).sum().backward()
+    grads = (q.grad, k.grad, v.grad)
+    _check_grads(q, k, v, torch.ones_like(q), grads, causal=True)
+
+
+def test_backward_memory_is_linear_in_seqlen():
+    """Peak extra memory of a backward call: a few tensors of q's size, never seqlen^2
+    (which here would be 4 heads x 8192^2 x 4 bytes = 1 GiB)."""
+    b, s, h, d = 1, 8192, 4, 128
+    q, k, v, dout = _inputs(b, s, s, h, d, BF16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = cute_attn.mha(q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # dq, dk, dv (3 x q) + the fp32 dQ accumulator (2 x q) + LSE2/D rows: < 8 x q
+    assert extra < 8 * q.numel() * q.element_size(), f"backward used {extra / 2**20:.1f} MiB extra"
+
+
+@pytest.mark.parametrize("d", [d for d in (192, 256) if d not in BWD_HEAD_DIMS])
+def test_unsupported_head_dim_says_so(d):
+    q, k, v, dout = _inputs(1, 64, 64, 2, d, BF16)
+    q.requires_grad_()
+    out = cute_attn.mha(q, k, v)  # the forward supports it
+    with pytest.raises(NotImplementedError, match="head dims"):
+        out.backward(dout)
