@@ -1,4 +1,6 @@
-"""CPU tests of perf/bench.py's pure helpers: FLOPs, slug, table, records, JSON, the check.
+"""CPU tests of perf/bench.py's pure helpers: FLOPs, slug, table, records, JSON, the check,
+the interleaved timing rounds, and the backward timer and sweep run on CPU tensors (with
+do_bench and CUDA synchronisation stubbed out).
 
 Loads the script by path, so it needs neither a GPU, triton nor `perf` being a package.
 """
@@ -9,6 +11,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -37,9 +40,10 @@ def test_import_needs_no_gpu_stack():
         "m.parse_args(['--help'])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert "--host-overhead" in proc.stdout
+    for flag in ("--host-overhead", "--bwd", "--rounds"):
+        assert flag in proc.stdout
 
 
 @pytest.mark.parametrize("b,h,s,d", [(8, 16, 2048, 128), (1, 3, 77, 64)])
@@ -93,6 +97,145 @@ def test_make_record_schema(bench):
     assert set(rec) == set(bench.RECORD_KEYS)
     assert rec["pass"] == "fwd" and rec["causal"] is True
     assert rec["tflops"] == pytest.approx(1099511627776 / 2 / 1e-3 / 1e12)
+
+
+@pytest.mark.parametrize("b,h,sq,sk,d", [(2, 16, 8192, 8192, 128), (3, 5, 77, 129, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_flops_formula(bench, b, h, sq, sk, d, causal):
+    fwd = 4 * b * h * sq * sk * d / (2 if causal else 1)
+    assert bench.attention_flops(b, h, sq, sk, d, causal) == fwd
+    assert bench.attention_flops(b, h, sq, sk, d, causal, "fwd") == fwd
+    assert bench.attention_flops(b, h, sq, sk, d, causal, "bwd") == 2.5 * fwd
+    with pytest.raises(ValueError, match="pass_name"):
+        bench.attention_flops(b, h, sq, sk, d, causal, "backward")
+
+
+def test_make_record_bwd_from_rounds(bench):
+    rounds = [1.3, 1.0, 1.1, 5.0, 1.2]  # one outlier round; the median ignores it
+    rec = bench.make_record("fa4", "bf16", 128, False, 2, 16, 8192, 8192, pass_name="bwd",
+                            ms_rounds=rounds)
+    assert set(bench.RECORD_KEYS) <= set(rec)
+    assert set(rec) - set(bench.RECORD_KEYS) == set(bench.ROUND_KEYS)
+    assert rec["pass"] == "bwd" and rec["ms"] == pytest.approx(1.2)
+    assert rec["ms_rounds"] == rounds
+    # 2.5 x 2^40 FLOPs in 1.2 ms
+    assert rec["tflops"] == pytest.approx(2.5 * 1099511627776 / 1.2e-3 / 1e12)
+    fwd = bench.make_record("fa4", "bf16", 128, False, 2, 16, 8192, 8192, ms=1.2)
+    assert rec["tflops"] == pytest.approx(2.5 * fwd["tflops"])
+    # An explicit ms wins over the rounds' median; neither is an error.
+    assert bench.make_record("fa4", "bf16", 128, False, 2, 16, 8192, 8192, 2.0,
+                             ms_rounds=rounds)["ms"] == 2.0
+    with pytest.raises(ValueError, match="ms or ms_rounds"):
+        bench.make_record("fa4", "bf16", 128, False, 2, 16, 8192, 8192)
+    assert json.loads(json.dumps(rec)) == rec
+
+
+def test_median_and_spread(bench):
+    assert bench.median_ms([3.0, 1.0, 2.0]) == 2.0
+    assert bench.median_ms([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert bench.median_ms([0.7]) == 0.7
+    with pytest.raises(ValueError):
+        bench.median_ms([])
+    assert bench.round_spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+    assert bench.round_spread([2.0, 2.0]) == 0.0
+
+
+def test_round_order_rotates(bench):
+    names = ["a", "b", "c", "d"]
+    assert bench.round_order(names, 0) == names
+    assert bench.round_order(names, 1) == ["b", "c", "d", "a"]
+    assert bench.round_order(names, 5) == bench.round_order(names, 1)
+    assert bench.round_order([], 3) == []
+    # Over len(names) rounds every name takes every position once.
+    positions = {n: sorted(bench.round_order(names, r).index(n) for r in range(4))
+                 for n in names}
+    assert all(p == [0, 1, 2, 3] for p in positions.values())
+
+
+def _recording_timers(names, calls, value=lambda name, i: 1.0):
+    def timer(name):
+        def run():
+            calls.append(name)
+            return value(name, len(calls) - 1)
+        return run
+    return {name: timer(name) for name in names}
+
+
+def test_run_rounds_interleaves(bench):
+    calls = []
+    names = ["cute_attn", "fa4", "sdpa_cudnn"]
+    ms, errors = bench.run_rounds(
+        _recording_timers(names, calls, value=lambda name, i: float(i)), rounds=4)
+    assert errors == {}
+    # Every round times each impl once, in the rotated order, before the next round starts.
+    assert calls == [n for r in range(4) for n in bench.round_order(names, r)]
+    # Each impl's values are its own calls' results, in round order.
+    for name in names:
+        assert ms[name] == [float(i) for i, c in enumerate(calls) if c == name]
+    assert list(ms) == names
+
+
+def test_run_rounds_cancel_a_drift(bench):
+    """A clock that drifts 3% per measurement: interleaved rounds keep the ratio of two impls
+    close to the true 1.10, where timing one impl's rounds after the other's would not."""
+    calls = []
+    true_ms = {"a": 1.0, "b": 1.1}
+    ms, _ = bench.run_rounds(_recording_timers(
+        ["a", "b"], calls, value=lambda name, i: true_ms[name] * (1 + 0.03 * i)), rounds=5)
+    interleaved = bench.median_ms(ms["b"]) / bench.median_ms(ms["a"])
+    assert interleaved == pytest.approx(1.10, abs=0.04)
+    # The same 10 measurements back to back (a's five, then b's five) read 1.10 * 1.15.
+    back_to_back = (1.1 * (1 + 0.03 * 7)) / (1 + 0.03 * 2)
+    assert abs(back_to_back - 1.10) > 3 * abs(interleaved - 1.10)
+
+
+def test_run_rounds_drops_a_failing_impl(bench):
+    calls = []
+
+    def value(name, i):
+        if name == "fa4" and calls.count("fa4") == 2:
+            raise RuntimeError("boom in round 2")
+        return 1.0
+
+    ms, errors = bench.run_rounds(
+        _recording_timers(["cute_attn", "fa4", "sdpa_flash"], calls, value), rounds=3,
+        on_error=lambda name, exc: False)
+    assert set(ms) == {"cute_attn", "sdpa_flash"}
+    assert all(len(v) == 3 for v in ms.values())
+    assert list(errors) == ["fa4"] and "boom" in str(errors["fa4"])
+    assert calls.count("fa4") == 2  # not called again after it raised
+
+
+def test_run_rounds_stop(bench):
+    calls = []
+
+    def value(name, i):
+        if name == "b":
+            raise RuntimeError("illegal memory access")
+        return 1.0
+
+    ms, errors = bench.run_rounds(_recording_timers(["a", "b", "c"], calls, value),
+                                  rounds=3, on_error=lambda name, exc: True)
+    assert ms == {} and list(errors) == ["b"]
+    assert calls == ["a", "b"]  # stopped at once, "c" never ran
+    with pytest.raises(ValueError, match="rounds"):
+        bench.run_rounds({}, rounds=0)
+
+
+def test_is_unsupported_and_skip_summary(bench):
+    assert bench.is_unsupported(NotImplementedError("no bwd"))
+    assert bench.is_unsupported(bench.BackwardUnsupported("no grad_fn"))
+    assert not bench.is_unsupported(RuntimeError("CUDA error"))
+    notes = []
+    unsupported = {"impl": "cute_attn", "shape": None, "reason": "NotImplementedError: bwd",
+                   "unsupported": True}
+    broken = {"impl": "cute_attn", "shape": {"seqlen": 1024}, "reason": "RuntimeError: x"}
+    anchor = {"impl": "fa4", "shape": None, "reason": "ImportError: no flash_attn"}
+    assert bench.summarize_skips([unsupported, anchor], bench.IMPLS, notes) == []
+    assert len(notes) == 1 and "NotImplementedError: bwd" in notes[0]
+    assert bench.summarize_skips([broken, unsupported], bench.IMPLS, []) == [
+        "cute_attn skipped 1 time(s)"]
+    assert bench.summarize_skips([broken], ["fa4"], []) == []
 
 
 def test_ratio(bench):
@@ -155,6 +298,18 @@ def test_results_json_schema(bench):
 def test_result_paths(bench, tmp_path):
     j, p = bench.result_paths(tmp_path, "nvidia-h200")
     assert j.name == "nvidia-h200-fwd.json" and p.name == "nvidia-h200-fwd.png"
+    j, p = bench.result_paths(tmp_path, "nvidia-h200", "bwd")
+    assert j.name == "nvidia-h200-bwd.json" and p.name == "nvidia-h200-bwd.png"
+    assert j.parent == tmp_path
+    with pytest.raises(ValueError):
+        bench.result_paths(tmp_path, "nvidia-h200", "both")
+
+
+def test_table_title_names_the_pass(bench):
+    recs = [dict(r, **{"pass": "bwd"}) for r in _records(bench)]
+    assert "bf16 bwd, TFLOP/s" in bench.format_table(recs, 128, False, ["cute_attn"])
+    assert "bf16 fwd, TFLOP/s" in bench.format_table(_records(bench), 128, False,
+                                                      ["cute_attn"])
 
 
 def test_parse_args_modes(bench):
@@ -173,9 +328,165 @@ def test_parse_args_modes(bench):
         bench.parse_args(["--seqlens", "3000"])  # does not divide 16384
 
 
-def test_bwd_not_implemented(bench):
-    with pytest.raises(SystemExit, match="backward benchmark not implemented yet"):
-        bench.main(["--bwd"])
+def test_parse_args_rounds_and_bwd(bench):
+    full = bench.parse_args([])
+    assert full.rounds == bench.ROUNDS == 5 and full.pass_name == "fwd" and not full.bwd
+    quick = bench.parse_args(["--quick"])
+    assert quick.rounds == bench.QUICK_ROUNDS == 3
+    assert bench.parse_args(["--quick", "--rounds", "7"]).rounds == 7
+    bwd = bench.parse_args(["--bwd"])
+    assert bwd.pass_name == "bwd" and bwd.rounds == 5
+    assert bwd.seqlens == list(bench.SEQLENS) and bwd.headdims == [64, 128]
+    bwd_quick = bench.parse_args(["--bwd", "--quick"])
+    assert bwd_quick.pass_name == "bwd" and bwd_quick.quick
+    assert bwd_quick.seqlens == [1024, 4096] and bwd_quick.headdims == [128]
+    assert bwd_quick.rounds == 3
+    for bad in (["--rounds", "0"], ["--rounds", "-2"], ["--rounds", "two"],
+                ["--bwd", "--host-overhead"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+# --- the backward timer and the sweep, on CPU tensors --------------------------------------
+
+def _plain_attention(q, k, v, causal):
+    return _attention(q, k, v, causal)
+
+
+class _ProbeGradLayout(torch.autograd.Function):
+    """Identity that records whether the gradient reaching it is contiguous."""
+    seen: ClassVar[list[bool]] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _ProbeGradLayout.seen.append(grad.is_contiguous())
+        return grad
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.clone()
+
+    @staticmethod
+    def backward(ctx, dout):
+        raise NotImplementedError("backward of this kernel is not written yet")
+
+
+def _cpu_impls(bench, forward_calls):
+    def counted(q, k, v, causal):
+        forward_calls.append(1)
+        return _plain_attention(q, k, v, causal)
+
+    def transposed(q, k, v, causal):
+        # Like the SDPA anchors: the kernel writes (b, h, s, d) memory and out is a
+        # (b, s, h, d) view of it; the probe sees the gradient the kernel would get.
+        out_bhsd = _ProbeGradLayout.apply(_attention(q, k, v, causal).transpose(1, 2)
+                                          .contiguous())
+        return out_bhsd.transpose(1, 2)
+
+    return {
+        "cute_attn": bench.Impl("cute_attn", counted),
+        "sdpa_flash": bench.Impl("sdpa_flash", transposed),
+        "fa4": bench.Impl("fa4", lambda q, k, v, causal: _NoBackward.apply(q, k, v)),
+        "sdpa_cudnn": bench.Impl("sdpa_cudnn", lambda q, k, v, causal: q.detach() * 1),
+    }
+
+
+@pytest.fixture
+def cpu_gpu_side(bench, monkeypatch):
+    """Run the GPU-side helpers on CPU: no-op synchronize, do_bench = three plain calls."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    timed = []
+
+    def fake_do_bench(fn):
+        for _ in range(3):
+            timed.append(fn())
+        return 0.5 + 0.1 * len(timed)
+
+    monkeypatch.setattr(bench, "_do_bench", fake_do_bench)
+    monkeypatch.setattr(bench, "cuda_is_healthy", lambda: True)
+
+    def cpu_qkv(batch, seqlen, nheads, headdim, dtype, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randn(batch, seqlen, nheads, headdim, dtype=dtype, generator=gen)
+                for _ in range(3)]
+
+    monkeypatch.setattr(bench, "random_qkv", cpu_qkv)
+    return timed
+
+
+def test_bwd_timer_times_only_the_backward(bench, cpu_gpu_side):
+    timed = cpu_gpu_side
+    forward_calls = []
+    impls = _cpu_impls(bench, forward_calls)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(2, 9, 3, 8, generator=gen) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    timer = bench.make_bwd_timer(impls["cute_attn"], q, k, v, dout, True)
+    assert len(forward_calls) == 1  # out built once, at set-up
+    ms = timer()
+    assert ms > 0 and len(timed) == 3
+    assert len(forward_calls) == 1  # the timed function ran no forward
+    # What was timed is the gradient of out for dout, wrt (q, k, v), without accumulating.
+    expected = torch.autograd.grad(_plain_attention(q, k, v, True), (q, k, v), dout)
+    for got in timed:
+        assert len(got) == 3
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+    assert q.grad is None
+    # An impl whose out is a transposed view gets dout with the same values, laid out like
+    # its out: the (b, h, s, d) kernel sees a contiguous gradient.
+    timed.clear()
+    _ProbeGradLayout.seen.clear()
+    bench.make_bwd_timer(impls["sdpa_flash"], q, k, v, dout, True)()
+    for g, e in zip(timed[0], expected):
+        torch.testing.assert_close(g, e)
+    assert _ProbeGradLayout.seen and all(_ProbeGradLayout.seen)
+
+
+def test_bwd_timer_unsupported(bench, cpu_gpu_side):
+    impls = _cpu_impls(bench, [])
+    q, k, v, dout = (torch.randn(1, 4, 2, 8) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with pytest.raises(NotImplementedError) as info:
+        bench.make_bwd_timer(impls["fa4"], q, k, v, dout, False)
+    assert bench.is_unsupported(info.value)
+    with pytest.raises(bench.BackwardUnsupported, match="sdpa_cudnn .* no grad_fn"):
+        bench.make_bwd_timer(impls["sdpa_cudnn"], q, k, v, dout, False)
+
+
+@pytest.mark.parametrize("pass_name", ["fwd", "bwd"])
+def test_sweep_on_cpu(bench, cpu_gpu_side, monkeypatch, pass_name):
+    impls = _cpu_impls(bench, [])
+    skipped = []
+    sweep_shape = bench.sweep_shape
+    # Tiny shapes: batch * seqlen = 64, nheads * headdim = 128.
+    monkeypatch.setattr(bench, "sweep_shape", lambda s, d: sweep_shape(s, d, 64, 128))
+    records, healthy = bench.run_sweep(impls, torch.float32, "fp32", [64], [False, True],
+                                       [16, 32], skipped, pass_name=pass_name, rounds=3)
+    assert healthy
+    measured = {"cute_attn", "sdpa_flash"} | ({"fa4", "sdpa_cudnn"} if pass_name == "fwd"
+                                             else set())
+    assert {r["impl"] for r in records} == measured
+    assert len(records) == len(measured) * 2 * 2
+    for rec in records:
+        assert set(bench.RECORD_KEYS) <= set(rec) and rec["pass"] == pass_name
+        assert len(rec["ms_rounds"]) == 3
+        assert rec["ms"] == bench.median_ms(rec["ms_rounds"])
+        assert rec["batch"] * rec["seqlen_q"] == 64 and rec["nheads"] == 2
+    if pass_name == "bwd":
+        # fa4 here raises NotImplementedError, sdpa_cudnn has no grad_fn: both unsupported,
+        # once per shape, and neither fails the run.
+        assert {s["impl"] for s in skipped} == {"fa4", "sdpa_cudnn"}
+        assert len(skipped) == 2 * 2 * 2 and all(s["unsupported"] for s in skipped)
+        assert bench.summarize_skips(skipped, bench.IMPLS, []) == []
+    else:
+        assert skipped == []
 
 
 # --- the correctness check bites ----------------------------------------------------------
@@ -230,7 +541,7 @@ def test_check_catches_wrong_answers(bench, qkv, wrong):
 
 
 def test_check_catches_lse_base2(bench, qkv):
-    q, k, v = qkv
+    q, k, _ = qkv
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * 64 ** -0.5
     lse = scores.logsumexp(-1)
     lse_lowp = scores.bfloat16().float().logsumexp(-1)
