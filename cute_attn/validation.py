@@ -7,6 +7,7 @@ dtype, shapes, head dim, strides, scale) comes before the device checks, so the 
 test suite exercises every check but the last two.
 """
 
+import itertools
 import math
 import numbers
 
@@ -175,4 +176,188 @@ def _check_scale(softmax_scale):
         raise ValueError(
             f"softmax_scale must be a finite positive number (or None for 1/sqrt(headdim)), "
             f"got {softmax_scale}"
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# Checks for GQA/MQA, sliding windows, softcap and variable-length batches (issue 4).
+# Not called by mha yet; cute_attn.reference uses the window and softcap checks. Like the
+# checks above they raise TypeError (wrong kind of thing) or ValueError (wrong value)
+# naming the argument, and never synchronise with a GPU unless asked to.
+# ----------------------------------------------------------------------------------------
+
+def _is_int(value):
+    # bool is an int subclass but never a meaningful size; numpy ints are Integral.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def validate_window_size(window_size):
+    """Return window_size as a (left, right) tuple of Python ints.
+
+    FlashAttention's sliding window: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 leaves that
+    side unbounded, so (-1, -1) is no window and (-1, 0) is causal.
+    """
+    if not isinstance(window_size, (tuple, list)):
+        raise TypeError(
+            "window_size must be a (left, right) tuple of ints, -1 for unbounded, "
+            f"got {type(window_size).__name__}"
+        )
+    if len(window_size) != 2:
+        raise ValueError(
+            f"window_size must have 2 entries (left, right), got {len(window_size)}: "
+            f"{tuple(window_size)}"
+        )
+    for side, value in zip(("left", "right"), window_size):
+        if not _is_int(value):
+            raise TypeError(
+                f"window_size {side} must be an int (-1 for unbounded), "
+                f"got {type(value).__name__}"
+            )
+        if value < -1:
+            raise ValueError(
+                f"window_size {side} must be >= -1 (-1 for unbounded), got {value}"
+            )
+    return int(window_size[0]), int(window_size[1])
+
+
+def validate_softcap(softcap):
+    """Return softcap as a float: 0 (off) or a finite positive cap (Gemma 2 uses 30 / 50)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(
+            f"softcap must be a Python float/int (0 for off), got {type(softcap).__name__}"
+        )
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be 0 (off) or a finite positive number, got {softcap}")
+    return float(softcap)
+
+
+def validate_gqa_heads(q, k, v):
+    """Return the group size nheads // nheads_kv after checking the head counts.
+
+    Heads are dim -2 of q, k and v, so this serves the dense (batch, seqlen, nheads,
+    headdim) layout and the packed varlen (total, nheads, headdim) one alike. k and v
+    must have the same number of heads, which must divide q's (GQA; 1 head is MQA).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 3:
+            raise ValueError(
+                f"{name} must have a heads dimension (dim -2), got shape {tuple(t.shape)}"
+            )
+    nheads, nheads_k, nheads_v = q.shape[-2], k.shape[-2], v.shape[-2]
+    if nheads_v != nheads_k:
+        raise ValueError(f"v nheads must equal k nheads ({nheads_k}), got {nheads_v}")
+    if nheads < 1:
+        raise ValueError(f"q nheads must be >= 1, got {nheads}")
+    if nheads_k < 1 or nheads % nheads_k:
+        raise ValueError(
+            f"k nheads must divide q nheads ({nheads}): each group of "
+            f"q nheads / k nheads query heads shares one k/v head (GQA/MQA), got {nheads_k}"
+        )
+    return nheads // nheads_k
+
+
+def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                           max_seqlen_k=None, *, check_values=None):
+    """Check a packed variable-length batch; return its batch size.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim). cu_seqlens_q and
+    cu_seqlens_k: torch.int32, 1-D, length batch + 1, on q's device; sequence b is rows
+    cu_seqlens[b]:cu_seqlens[b+1]. max_seqlen_q / max_seqlen_k: None or an int >= 0.
+
+    The values (start at 0, non-decreasing, end at total_q / total_k, the max_seqlens at
+    least the longest sequence) need the tensors on the host. check_values=None checks them
+    only when cu_seqlens are on the CPU, so a launch path never synchronises; True checks
+    them anywhere (one device sync per tensor), False never. dtype, strides and the device
+    capability are the dense checks' business (validate_fwd_inputs) and are not repeated.
+    """
+    tensors = {"q": q, "k": k, "v": v}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must have shape (total_tokens, nheads, headdim) for varlen, "
+                f"got shape {tuple(t.shape)} ({t.dim()} dims)"
+            )
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"v total tokens must equal k total tokens ({k.shape[0]}), got {v.shape[0]}"
+        )
+    for name in ("k", "v"):
+        if tensors[name].shape[2] != q.shape[2]:
+            raise ValueError(
+                f"{name} headdim must equal q headdim ({q.shape[2]}), "
+                f"got {tensors[name].shape[2]}"
+            )
+    validate_gqa_heads(q, k, v)
+
+    cu = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    for name, t in cu.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(
+                f"{name} must be torch.int32, got {t.dtype}; cast with .to(torch.int32)"
+            )
+        if t.dim() != 1:
+            raise ValueError(
+                f"{name} must be 1-D (batch + 1 offsets), got shape {tuple(t.shape)}"
+            )
+        if t.shape[0] < 2:
+            raise ValueError(
+                f"{name} must have length batch + 1 >= 2, got length {t.shape[0]}"
+            )
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_k must have the same length as cu_seqlens_q (batch + 1 = "
+            f"{cu_seqlens_q.shape[0]}), got {cu_seqlens_k.shape[0]}"
+        )
+    maxes = {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
+    for name, value in maxes.items():
+        if value is None:
+            continue
+        if not _is_int(value):
+            raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+    for name, t in cu.items():
+        if t.device != q.device:
+            raise ValueError(
+                f"{name} is on {t.device} but q is on {q.device}; cu_seqlens must be on "
+                "q's device"
+            )
+
+    if check_values is None:
+        check_values = all(t.device.type == "cpu" for t in cu.values())
+    if check_values:
+        totals = {"cu_seqlens_q": ("q", q.shape[0], "max_seqlen_q"),
+                  "cu_seqlens_k": ("k", k.shape[0], "max_seqlen_k")}
+        for name, t in cu.items():
+            tensor_name, total, max_name = totals[name]
+            _check_offsets(name, t.tolist(), tensor_name, total, max_name, maxes[max_name])
+    return cu_seqlens_q.shape[0] - 1
+
+
+def _check_offsets(name, offsets, tensor_name, total, max_name, max_seqlen):
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    lengths = [b - a for a, b in itertools.pairwise(offsets)]
+    for i, length in enumerate(lengths):
+        if length < 0:
+            raise ValueError(
+                f"{name} must be non-decreasing, got {offsets[i]} then {offsets[i + 1]} "
+                f"at index {i}"
+            )
+    if offsets[-1] != total:
+        raise ValueError(
+            f"{name} must end at {tensor_name}'s total tokens ({total}), got {offsets[-1]}"
+        )
+    if max_seqlen is not None and max_seqlen < max(lengths):
+        raise ValueError(
+            f"{max_name} must be >= the longest sequence in {name} ({max(lengths)}), "
+            f"got {max_seqlen}"
         )

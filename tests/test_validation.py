@@ -17,7 +17,14 @@ import torch
 
 import cute_attn
 from cute_attn import validation
-from cute_attn.validation import SUPPORTED_HEAD_DIMS, validate_fwd_inputs
+from cute_attn.validation import (
+    SUPPORTED_HEAD_DIMS,
+    validate_fwd_inputs,
+    validate_gqa_heads,
+    validate_softcap,
+    validate_varlen_inputs,
+    validate_window_size,
+)
 
 CPU_ERROR = r"is on cpu; cute_attn needs CUDA tensors on an sm_90 GPU"
 
@@ -267,3 +274,183 @@ def test_real_device_capability_on_gpu():
     q, k, v = (t.cuda() for t in _qkv())
     assert validation._device_capability(q.device) == (9, 0)
     assert validate_fwd_inputs(q, k, v, None) is None
+
+
+# --- GQA/MQA, window, softcap and varlen checks (issue 4; not yet called by mha) ----------
+
+@pytest.mark.parametrize("window, expected", [
+    ((-1, -1), (-1, -1)), ((0, 0), (0, 0)), ([128, 0], (128, 0)), ((np.int64(4), -1), (4, -1)),
+])
+def test_window_size_accepted(window, expected):
+    got = validate_window_size(window)
+    assert got == expected and all(type(x) is int for x in got)
+
+
+@pytest.mark.parametrize("window, exc, msg", [
+    (None, TypeError, r"window_size must be a \(left, right\) tuple of ints, -1 for unbounded, got NoneType"),
+    (8, TypeError, r"window_size must be a \(left, right\) tuple of ints, .* got int"),
+    ("-1,-1", TypeError, r"window_size must be a \(left, right\) tuple .* got str"),
+    ((1, 2, 3), ValueError, r"window_size must have 2 entries \(left, right\), got 3"),
+    ((4,), ValueError, r"window_size must have 2 entries \(left, right\), got 1"),
+    ((1.0, 2), TypeError, r"window_size left must be an int \(-1 for unbounded\), got float"),
+    ((1, True), TypeError, r"window_size right must be an int .*, got bool"),
+    ((1, torch.tensor(2)), TypeError, r"window_size right must be an int .*, got Tensor"),
+    ((-2, 0), ValueError, r"window_size left must be >= -1 \(-1 for unbounded\), got -2"),
+    ((0, -7), ValueError, r"window_size right must be >= -1 \(-1 for unbounded\), got -7"),
+])
+def test_window_size_rejected(window, exc, msg):
+    with pytest.raises(exc, match=msg):
+        validate_window_size(window)
+
+
+@pytest.mark.parametrize("softcap", [0, 0.0, 30, 50.0, np.float32(15.0)])
+def test_softcap_accepted(softcap):
+    got = validate_softcap(softcap)
+    assert type(got) is float and got == float(softcap)
+
+
+@pytest.mark.parametrize("softcap, exc, msg", [
+    ("30", TypeError, r"softcap must be a Python float/int \(0 for off\), got str"),
+    (True, TypeError, r"softcap must be a Python float/int .*, got bool"),
+    (torch.tensor(30.0), TypeError, r"softcap must be a Python float/int .*, got Tensor"),
+    (-1.0, ValueError, r"softcap must be 0 \(off\) or a finite positive number, got -1.0"),
+    (float("nan"), ValueError, r"softcap must be 0 \(off\) or a finite positive number, got nan"),
+    (float("inf"), ValueError, r"softcap must be .*, got inf"),
+])
+def test_softcap_rejected(softcap, exc, msg):
+    with pytest.raises(exc, match=msg):
+        validate_softcap(softcap)
+
+
+@pytest.mark.parametrize("h, h_kv", [(8, 8), (8, 4), (8, 1), (32, 8), (6, 3)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gqa_heads_accepted(h, h_kv, varlen):
+    lead = (20,) if varlen else (2, 10)
+    q = torch.zeros(*lead, h, 64)
+    k = v = torch.zeros(*lead, h_kv, 64)
+    assert validate_gqa_heads(q, k, v) == h // h_kv
+
+
+@pytest.mark.parametrize("h, h_k, h_v, msg", [
+    (8, 3, 3, r"k nheads must divide q nheads \(8\): .*GQA/MQA\), got 3"),
+    (4, 8, 8, r"k nheads must divide q nheads \(4\): .* got 8"),
+    (8, 0, 0, r"k nheads must divide q nheads \(8\): .* got 0"),
+    (8, 2, 4, r"v nheads must equal k nheads \(2\), got 4"),
+    (0, 1, 1, r"q nheads must be >= 1, got 0"),
+])
+def test_gqa_heads_rejected(h, h_k, h_v, msg):
+    q, k, v = (torch.zeros(2, 10, n, 64) for n in (h, h_k, h_v))
+    with pytest.raises(ValueError, match=msg):
+        validate_gqa_heads(q, k, v)
+
+
+def test_gqa_heads_needs_tensors_with_heads():
+    q, k, v = (torch.zeros(2, 10, 4, 64) for _ in range(3))
+    with pytest.raises(TypeError, match=r"k must be a torch.Tensor, got list"):
+        validate_gqa_heads(q, [1, 2], v)
+    with pytest.raises(ValueError, match=r"v must have a heads dimension \(dim -2\), got shape \(64,\)"):
+        validate_gqa_heads(q, k, torch.zeros(64))
+
+
+class _NoHostRead(_FakeCuda):
+    """A fake CUDA tensor whose values must not be read on the host (a sync on a GPU)."""
+
+    def tolist(self):
+        raise AssertionError("cu_seqlens read on the host without check_values=True")
+
+
+def _varlen(lens_q=(3, 0, 5), lens_k=(4, 2, 5), h=8, h_kv=2, d=64):
+    q = torch.zeros(sum(lens_q), h, d, dtype=torch.bfloat16)
+    k = torch.zeros(sum(lens_k), h_kv, d, dtype=torch.bfloat16)
+    v = torch.zeros(sum(lens_k), h_kv, d, dtype=torch.bfloat16)
+
+    def cu(lens):
+        return torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+def test_varlen_accepted():
+    q, k, v, cu_q, cu_k = _varlen()
+    assert validate_varlen_inputs(q, k, v, cu_q, cu_k) == 3
+    assert validate_varlen_inputs(q, k, v, cu_q, cu_k, 5, 5) == 3
+    assert validate_varlen_inputs(q, k, v, cu_q, cu_k, max_seqlen_q=np.int32(9)) == 3
+    # one sequence, and an all-empty batch
+    q1, k1, v1, cu_q1, cu_k1 = _varlen((7,), (1,))
+    assert validate_varlen_inputs(q1, k1, v1, cu_q1, cu_k1, 7, 1) == 1
+    q0, k0, v0, cu_q0, cu_k0 = _varlen((0, 0), (0, 0))
+    assert validate_varlen_inputs(q0, k0, v0, cu_q0, cu_k0, 0, 0) == 2
+
+
+def _with(case):
+    """(args, kwargs) of validate_varlen_inputs with one thing broken."""
+    q, k, v, cu_q, cu_k = _varlen()
+    args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    kwargs = {}
+    name, value = case
+    if name in args:
+        args[name] = value(args[name]) if callable(value) else value
+    else:
+        kwargs[name] = value
+    return list(args.values()), kwargs
+
+
+@pytest.mark.parametrize("case, exc, msg", [
+    (("q", [1.0]), TypeError, r"q must be a torch.Tensor, got list"),
+    (("k", lambda t: t[None]), ValueError, r"k must have shape \(total_tokens, nheads, headdim\) for varlen, got shape \(1, 11, 2, 64\) \(4 dims\)"),
+    (("v", lambda t: t[:-1]), ValueError, r"v total tokens must equal k total tokens \(11\), got 10"),
+    (("v", lambda t: t[..., :32]), ValueError, r"v headdim must equal q headdim \(64\), got 32"),
+    (("q", lambda t: torch.zeros(8, 7, 64)), ValueError, r"k nheads must divide q nheads \(7\)"),
+    (("k", lambda t: torch.zeros(11, 3, 64)), ValueError, r"v nheads must equal k nheads \(3\), got 2"),
+    (("cu_seqlens_q", [0, 3, 3, 8]), TypeError, r"cu_seqlens_q must be a torch.Tensor, got list"),
+    (("cu_seqlens_q", lambda t: t.long()), TypeError, r"cu_seqlens_q must be torch.int32, got torch.int64; cast with .to\(torch.int32\)"),
+    (("cu_seqlens_k", lambda t: t.float()), TypeError, r"cu_seqlens_k must be torch.int32, got torch.float32"),
+    (("cu_seqlens_k", lambda t: t[None]), ValueError, r"cu_seqlens_k must be 1-D \(batch \+ 1 offsets\), got shape \(1, 4\)"),
+    (("cu_seqlens_q", lambda t: t[:1]), ValueError, r"cu_seqlens_q must have length batch \+ 1 >= 2, got length 1"),
+    (("cu_seqlens_k", lambda t: t[:3]), ValueError, r"cu_seqlens_k must have the same length as cu_seqlens_q \(batch \+ 1 = 4\), got 3"),
+    (("max_seqlen_q", 5.0), TypeError, r"max_seqlen_q must be a Python int, got float"),
+    (("max_seqlen_k", True), TypeError, r"max_seqlen_k must be a Python int, got bool"),
+    (("max_seqlen_k", -1), ValueError, r"max_seqlen_k must be >= 0, got -1"),
+    (("cu_seqlens_q", lambda t: torch.tensor([1, 3, 3, 8], dtype=torch.int32)), ValueError, r"cu_seqlens_q must start at 0, got 1"),
+    (("cu_seqlens_q", lambda t: torch.tensor([0, 3, 2, 8], dtype=torch.int32)), ValueError, r"cu_seqlens_q must be non-decreasing, got 3 then 2 at index 1"),
+    (("cu_seqlens_k", lambda t: torch.tensor([0, 4, 6, 10], dtype=torch.int32)), ValueError, r"cu_seqlens_k must end at k's total tokens \(11\), got 10"),
+    (("cu_seqlens_q", lambda t: torch.tensor([0, 3, 3, 9], dtype=torch.int32)), ValueError, r"cu_seqlens_q must end at q's total tokens \(8\), got 9"),
+    (("max_seqlen_q", 4), ValueError, r"max_seqlen_q must be >= the longest sequence in cu_seqlens_q \(5\), got 4"),
+    (("max_seqlen_k", 0), ValueError, r"max_seqlen_k must be >= the longest sequence in cu_seqlens_k \(5\), got 0"),
+])
+def test_varlen_rejected(case, exc, msg):
+    args, kwargs = _with(case)
+    with pytest.raises(exc, match=msg):
+        validate_varlen_inputs(*args, **kwargs)
+
+
+def test_varlen_cu_seqlens_on_another_device():
+    q, k, v, cu_q, cu_k = _varlen()
+    q = _fake_cuda(q)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q is on cpu but q is on cuda:0; cu_seqlens must be on q's device"):
+        validate_varlen_inputs(q, k, v, cu_q, _fake_cuda(cu_k))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k is on cuda:1 but q is on cuda:0"):
+        validate_varlen_inputs(q, k, v, _fake_cuda(cu_q), _fake_cuda(cu_k, 1))
+
+
+def test_varlen_values_on_gpu_only_when_asked():
+    """On a GPU the offsets' values would need a device sync: by default they are not read
+    (the launch path stays sync-free); check_values=True reads them anyway."""
+    q, k, v, _, cu_k = _varlen()
+    bad_q = torch.tensor([0, 5, 3, 8], dtype=torch.int32)  # decreasing
+
+    def on_gpu(t):
+        t = t.as_subclass(_NoHostRead)
+        t._fake_device = torch.device("cuda", 0)
+        return t
+
+    q = _fake_cuda(q)
+    assert validate_varlen_inputs(q, k, v, on_gpu(bad_q), on_gpu(cu_k)) == 3
+    assert validate_varlen_inputs(q, k, v, on_gpu(bad_q), on_gpu(cu_k), check_values=False) == 3
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
+        validate_varlen_inputs(q, k, v, _fake_cuda(bad_q), _fake_cuda(cu_k), check_values=True)
+    # and on the CPU, check_values=False skips them there too
+    q_cpu, k, v, _, cu_k = _varlen()
+    assert validate_varlen_inputs(q_cpu, k, v, bad_q, cu_k, check_values=False) == 3
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
+        validate_varlen_inputs(q_cpu, k, v, bad_q, cu_k)
