@@ -151,6 +151,7 @@ class BwdKey:
     head_dim: int
     causal: bool
     config: BwdConfig
+    deterministic: bool = False
     arch: str = ARCH
 
 
@@ -184,11 +185,18 @@ def _fake_bwd_args(key: BwdKey):
     lse2 = rowwise(seqlen_q_pad, "lse2", align=16, divisibility=4)
     dsum = rowwise(seqlen_q_pad, "dsum", align=16, divisibility=4)
     dq_accum = rowwise(accum_len, "dq_accum", align=16, divisibility=4)
+    # its own symbols: a 1-element dummy is passed when not deterministic
+    semaphore = cute.runtime.make_fake_tensor(
+        cutlass.Int32,
+        tuple(cute.sym_int32(symbol=f"sem_dim{i}") for i in range(3)),
+        stride=(cute.sym_int64(symbol="sem_stride0"), cute.sym_int64(symbol="sem_stride1"), 1),
+        assumed_align=4,
+    )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scale = cutlass.Float32(1.0)
     return (
         (o, do, lse, lse2, dsum, stream),
-        (q, k, v, do, lse2, dsum, dq_accum, dk, dv, scale, stream),
+        (q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale, stream),
         (dq_accum, dq, scale, stream),
     )
 
@@ -210,7 +218,9 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
     options = ("--enable-tvm-ffi " + extra_options).strip()
     pre_args, main_args, post_args = _fake_bwd_args(key)
     pre = cute.compile(BwdPreprocess(dtype, key.head_dim, cfg.tile_m), *pre_args, options=options)
-    main = cute.compile(FlashBwdSm90(dtype, key.head_dim, key.causal, cfg), *main_args, options=options)
+    main = cute.compile(
+        FlashBwdSm90(dtype, key.head_dim, key.causal, cfg, key.deterministic), *main_args, options=options
+    )
     post = cute.compile(
         BwdPostprocess(dtype, key.head_dim, cfg.tile_m, cfg.num_mma_warpgroups), *post_args, options=options
     )
@@ -249,12 +259,12 @@ def run_bwd(
 ):
     """Gradients (dq, dk, dv) of the forward that produced (out, lse), each laid out like
     its input. dout must be TMA-addressable like q (validation.prepare_dout)."""
-    if deterministic:
-        raise NotImplementedError("deterministic=True backward is not implemented yet")
     batch, seqlen_q, heads, head_dim = q.shape
     if config is None:
         config = choose_bwd_config(head_dim, causal)
-    pre, main, post = get_bwd_kernels(BwdKey(_TORCH_TO_DSL[q.dtype], head_dim, causal, config))
+    pre, main, post = get_bwd_kernels(
+        BwdKey(_TORCH_TO_DSL[q.dtype], head_dim, causal, config, bool(deterministic))
+    )
     m_blocks = (seqlen_q + config.tile_m - 1) // config.tile_m
     rows = m_blocks * config.tile_m
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -263,7 +273,23 @@ def run_bwd(
     # bulk reduce-adds accumulate into it, so it starts at zero
     dq_accum = torch.zeros((batch, heads, rows * head_dim), **f32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if deterministic:
+        # one turn counter per (batch, head, query block)
+        semaphore = torch.zeros((batch, heads, m_blocks), dtype=torch.int32, device=q.device)
+    else:
+        semaphore = _unused_semaphore(q.device)
     pre(out, dout, lse, lse2, dsum)
-    main(q, k, v, dout, lse2, dsum, dq_accum, dk, dv, softmax_scale)
+    main(q, k, v, dout, lse2, dsum, dq_accum, dk, dv, semaphore, softmax_scale)
     post(dq_accum, dq, softmax_scale)
     return dq, dk, dv
+
+
+_unused_semaphores: dict = {}
+
+
+def _unused_semaphore(device):
+    # the non-deterministic kernel never reads it; one per device avoids a per-call memset
+    t = _unused_semaphores.get(device)
+    if t is None:
+        t = _unused_semaphores[device] = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
+    return t

@@ -4,7 +4,12 @@
 Accuracy rule, as for the forward: each gradient's max error against the fp32 reference
 must be within 2x the error of the same backward computed by torch in the input dtype
 (autograd through attention_ref(upcast=False)), plus the rounding of the reference itself
-to the input dtype (the kernel returns gradients in that dtype).
+to the input dtype (the kernel returns gradients in that dtype), plus a floor.
+
+The floor: where torch's computation is exact (seqlen_k == 1: P == 1 and dS == dP - D
+cancels to 0), the kernel's dS is fp32 summation noise of D = rowsum(dO * O), a dot
+product of head_dim terms of size up to ~30 here: ~head_dim * 2^-24 * 30 ~ 2e-4. 1e-3
+covers it and stays below a quarter ulp of bf16 gradients of magnitude >= 1.
 """
 
 import pytest
@@ -24,8 +29,9 @@ PAIRS = [
 SUBSET = [(17, 1000), (129, 128), (1000, 129)]
 FULL = [(BF16, 128, b, h, sq, sk) for b, h in ((1, 1), (3, 4)) for sq, sk in PAIRS]
 FULL += [(BF16, 128, 1, 2, 4096, 4096), (BF16, 128, 1, 2, 4096, 129)]
-PARTIAL = [(dt, d, 3, 4, sq, sk) for dt, d in ((FP16, 128), (BF16, 64), (FP16, 64), (BF16, 96))
+PARTIAL = [(dt, d, 3, 4, sq, sk) for dt, d in ((FP16, 128), (BF16, 64), (FP16, 64))
            for sq, sk in SUBSET]
+FLOOR = 1e-3
 
 
 def _case_id(case):
@@ -66,7 +72,9 @@ def _kernel_grads(q, k, v, dout, **kwargs):
 
 
 def _ref_grads(q, k, v, dout, upcast, **kwargs):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    # fp32 leaves for the reference, or its gradients would come back rounded to q's dtype
+    q, k, v = (t.detach().float() if upcast else t.detach() for t in (q, k, v))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, _ = attention_ref(q, k, v, upcast=upcast, **kwargs)
     return torch.autograd.grad(out, (q, k, v), dout.to(out.dtype))
 
@@ -81,7 +89,7 @@ def _check_grads(q, k, v, dout, grads, **kwargs):
         err = (g.float() - g_ref).abs().max().item()
         err_torch = (g_low.float() - g_ref).abs().max().item()
         rounding = (g_ref.to(x.dtype).float() - g_ref).abs().max().item()
-        assert err <= 2 * err_torch + 2 * rounding + 1e-5, (
+        assert err <= 2 * err_torch + 2 * rounding + FLOOR, (
             f"d{name}: kernel error {err:.3g} > 2 x torch {x.dtype} error {err_torch:.3g}"
             f" + 2 x rounding {rounding:.3g}")
 
@@ -162,7 +170,17 @@ def test_backward_memory_is_linear_in_seqlen():
     assert extra < 8 * q.numel() * q.element_size(), f"backward used {extra / 2**20:.1f} MiB extra"
 
 
-@pytest.mark.parametrize("d", [d for d in (192, 256) if d not in BWD_HEAD_DIMS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_is_bit_identical(causal):
+    q, k, v, dout = _inputs(2, 1000, 1000, 4, 128, BF16, seed=1)
+    g1 = _kernel_grads(q, k, v, dout, causal=causal, deterministic=True)
+    g2 = _kernel_grads(q, k, v, dout, causal=causal, deterministic=True)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    _check_grads(q, k, v, dout, g1, causal=causal)
+
+
+@pytest.mark.parametrize("d", [d for d in (96, 192, 256) if d not in BWD_HEAD_DIMS])
 def test_unsupported_head_dim_says_so(d):
     q, k, v, dout = _inputs(1, 64, 64, 2, d, BF16)
     q.requires_grad_()

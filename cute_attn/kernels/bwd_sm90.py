@@ -34,6 +34,11 @@ dQ_accum is laid out per query tile in the order of the dQ WGMMA's accumulator f
 (see `dq_accum_offset`), so each thread's stores to sdQ are conflict-free and the reduce
 is one contiguous chunk; the postprocess undoes the permutation.
 
+deterministic=True: the dQ writer of KV block n waits, per query block, until KV blocks
+0..n-1 have added theirs (a turn counter in global memory, blocks/semaphore.py), so the
+fp32 sums happen in one order. The CTAs of one head then run in lockstep on dQ; the cost
+is measured in perf/NOTES.md.
+
 Causal: query blocks that see no key of this tile are never loaded; only the first
 query blocks (those that straddle the diagonal) and, in the last KV tile, the keys past
 seqlen_k are masked. Keys past seqlen_k (zero-filled by TMA) must still be masked: their
@@ -55,7 +60,7 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from cute_attn.blocks import epilogue, mma_sm90
+from cute_attn.blocks import epilogue, mma_sm90, semaphore
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.bulk_copy import bulk_load, bulk_reduce_add_f32
@@ -85,8 +90,12 @@ def dq_accum_offset(i: int, tidx, num_threads: int):
 
 
 class FlashBwdSm90:
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, config: BwdConfig):
+    def __init__(
+        self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, config: BwdConfig,
+        deterministic: bool = False,
+    ):
         self.dtype = dtype
+        self.deterministic = deterministic
         self.head_dim = head_dim
         self.causal = causal
         self.tile_m = config.tile_m
@@ -108,6 +117,7 @@ class FlashBwdSm90:
         mdQaccum: cute.Tensor,  # (batch, heads, m_blocks * tile_m * head_dim), float32
         mdK: cute.Tensor,  # (batch, seqlen_k, heads, head_dim)
         mdV: cute.Tensor,
+        mdQsemaphore: cute.Tensor,  # (batch, heads, m_blocks) int32 zeros; deterministic only
         softmax_scale: Float32,
         stream,
     ):
@@ -116,9 +126,9 @@ class FlashBwdSm90:
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_sdhb))
             for t in (mQ, mK, mV, mdO, mdK, mdV)
         ]
-        mLSE2, mD, mdQaccum = [
+        mLSE2, mD, mdQaccum, mdQsemaphore = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
-            for t in (mLSE2, mD, mdQaccum)
+            for t in (mLSE2, mD, mdQaccum, mdQsemaphore)
         ]
         d, wgs = self.head_dim, self.num_mma_wg
         # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 keys x tile_m queries
@@ -164,7 +174,7 @@ class FlashBwdSm90:
         num_n_blocks = cute.ceil_div(cute.size(mK.shape[0]), self.tile_n)
         grid = SingleTileScheduler.grid(num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE2, mD, mdQaccum,
+            tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE2, mD, mdQaccum, mdQsemaphore,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV,
             softmax_scale, softmax_scale * math.log2(math.e),
             sQ_layout, sK_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
@@ -175,7 +185,7 @@ class FlashBwdSm90:
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
         mdK: cute.Tensor, mdV: cute.Tensor,
-        mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
+        mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdQsemaphore: cute.Tensor,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tma_atom_dO: cute.CopyAtom, tma_atom_dK: cute.CopyAtom, tma_atom_dV: cute.CopyAtom,
         softmax_scale: Float32,
@@ -239,7 +249,7 @@ class FlashBwdSm90:
                     pipeline_kv, pipeline_q, pipeline_do, scheduler, block_range, seqlen,
                 )
             if warp_idx == 1:
-                self.write_dq(mdQaccum, sdQ, scheduler, block_range, seqlen)
+                self.write_dq(mdQaccum, mdQsemaphore, sdQ, scheduler, block_range, seqlen)
         else:
             cute.arch.setmaxregister_increase(_MMA_REGS)
             self.consume(
@@ -275,6 +285,7 @@ class FlashBwdSm90:
         gLSE2 = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (None,))
         gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (None,))
         stats_bytes = self.tile_m * 4
+        lane = cute.arch.lane_idx()
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipeline_kv.producer_acquire(kv_state)
@@ -288,18 +299,21 @@ class FlashBwdSm90:
             pipeline_q.producer_acquire(state)
             bar = pipeline_q.producer_get_barrier(state)
             cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-            bulk_load(gLSE2[None, m_block].iterator, sLSE2[None, state.index].iterator, bar, stats_bytes)
+            # one lane: every lane's copy would complete the barrier's bytes again
+            if lane == 0:
+                bulk_load(gLSE2[None, m_block].iterator, sLSE2[None, state.index].iterator, bar, stats_bytes)
             pipeline_do.producer_acquire(state)
             bar = pipeline_do.producer_get_barrier(state)
             cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-            bulk_load(gD[None, m_block].iterator, sD[None, state.index].iterator, bar, stats_bytes)
+            if lane == 0:
+                bulk_load(gD[None, m_block].iterator, sD[None, state.index].iterator, bar, stats_bytes)
             state.advance()
 
     # ------------------------------------------------------------------------------------
     # dQ writer warp: adds each query block's dQ tile into dQ_accum
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def write_dq(self, mdQaccum, sdQ, scheduler, block_range, seqlen):
+    def write_dq(self, mdQaccum, mdQsemaphore, sdQ, scheduler, block_range, seqlen):
         n_block, head, batch = scheduler.tile()
         chunk = self.tile_m * self.head_dim
         gdQaccum = cute.local_tile(mdQaccum[None, head, batch], (chunk,), (None,))
@@ -312,9 +326,18 @@ class FlashBwdSm90:
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
             if lane == 0:
+                if cutlass.const_expr(self.deterministic):
+                    # KV blocks add into a dQ tile in increasing n_block order: the ones
+                    # that visit a query block are always a prefix 0..k (see BlockRange)
+                    turn_ptr = mdQsemaphore[None, head, batch].iterator + m_block
+                    semaphore.wait_turn(turn_ptr, n_block)
                 bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, m_block].iterator, chunk * 4)
                 cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    semaphore.pass_turn(turn_ptr)
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             if m_block + 1 < m_block_max:
                 cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
         if lane == 0:
