@@ -192,3 +192,16 @@ def test_poison_reaches_the_outputs(shape):
             lse, out = make_lse(), make_out()
         assert out.isnan().all() and lse.isnan().all()
         del out, lse
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_late_first_key_with_very_negative_scores(d):
+    """A causal row whose first visible key arrives after an all-masked block, with scores
+    so negative that exp2(-max) overflows: the rescale of the (empty) running sum must be
+    0, not inf (inf * 0 = NaN). Found by reading softmax.py; rows 0..127 of hdim 64's
+    192-row tile hit it before the fix."""
+    q = torch.full((1, 256, 1, d), 4.0, device="cuda", dtype=BF16)
+    k = -q
+    v = torch.randn_like(q)
+    out, lse = _run(q, k, v, causal=True)
+    _check_against_reference(q, k, v, out, lse, causal=True)

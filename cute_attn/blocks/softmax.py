@@ -44,9 +44,10 @@ class OnlineSoftmax(Staged):
                 row_scale[r] = 1.0
                 self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             else:
-                old_max = self.row_max[r]
-                old_safe = 0.0 if old_max == -Float32.inf else old_max
-                row_scale[r] = cute.math.exp2((old_safe - safe_max) * self.scale_log2, fastmath=True)
+                # an old max of -inf (nothing seen yet) gives exp2(-inf) = 0 exactly; using
+                # the safe 0 there would overflow to inf when the new max is very negative,
+                # and inf * (sum 0) = NaN
+                row_scale[r] = cute.math.exp2((self.row_max[r] - safe_max) * self.scale_log2, fastmath=True)
                 self.row_sum[r] = p_row.reduce(
                     cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
                 )
