@@ -56,6 +56,9 @@ class BwdConfig:
     tile_m: int = 64  # query rows per mainloop step (the N of S^T = K Q^T)
     tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup
     num_stages: int = 2  # depth of the Q (+LSE) and dO (+D) rings
+    # consumer warpgroups that compute dQ = dS K: all of them, each owning a slice of
+    # head_dim, or 1 when head_dim / 2 would not fall on the K tile's swizzle atoms
+    dq_warpgroups: int = 2
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -70,16 +73,18 @@ class BwdConfig:
             raise ValueError(f"tile_n must be 64 or 128, got {self.tile_n}")
         if self.tile_m % 16 or not 16 <= self.tile_m <= 128:
             raise ValueError(f"tile_m must be a multiple of 16 in [16, 128], got {self.tile_m}")
+        if self.dq_warpgroups not in (1, self.num_mma_warpgroups):
+            raise ValueError(f"dq_warpgroups must be 1 or {self.num_mma_warpgroups}, got {self.dq_warpgroups}")
 
 
 # Head dims the backward supports. Each consumer warpgroup keeps a 64 x head_dim dK and dV
 # accumulator in registers (head_dim registers per thread for the two), which leaves room
-# for the S, dP and dQ tiles only up to head dim 128. Head dim 96 is not there yet: the dQ
-# WGMMA splits head_dim across the two warpgroups, and 48 columns do not fall on the
-# 32-column swizzle atoms of a 96-wide K tile.
-BWD_HEAD_DIMS = (64, 128)
+# for the S, dP and dQ tiles only up to head dim 128.
+BWD_HEAD_DIMS = (64, 96, 128)
 
 
 def choose_bwd_config(head_dim: int, causal: bool) -> BwdConfig:
-    """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages."""
-    return BwdConfig(tile_m=64, tile_n=128, num_stages=2)
+    """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages. At head dim
+    96 one warpgroup computes dQ: a 48-column half would straddle the 32-column swizzle
+    atoms of the 96-wide K tile, which WGMMA's B operand cannot address."""
+    return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2)

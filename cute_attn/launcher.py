@@ -222,7 +222,7 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
         FlashBwdSm90(dtype, key.head_dim, key.causal, cfg, key.deterministic), *main_args, options=options
     )
     post = cute.compile(
-        BwdPostprocess(dtype, key.head_dim, cfg.tile_m, cfg.num_mma_warpgroups), *post_args, options=options
+        BwdPostprocess(dtype, key.head_dim, cfg.tile_m, cfg.dq_warpgroups), *post_args, options=options
     )
     return pre, main, post
 

@@ -70,3 +70,73 @@ def test_cli_prints_ptx(tmp_path, capsys):
     text = out.read_text()
     assert "wgmma.mma_async" in text and ".entry" in text
     assert "FwdKey" in capsys.readouterr().err
+
+
+# ---- backward: preprocess, main kernel, postprocess ----
+
+from cute_attn.config import BWD_HEAD_DIMS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def compiled_bwd():
+    cache = {}
+
+    def get(dtype, head_dim, causal):
+        key = (dtype, head_dim, causal)
+        if key not in cache:
+            cache[key] = ptx_tool.compile_bwd_artifacts(dtype, head_dim, causal)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", BWD_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_backward_compiles_with_hopper_instructions(compiled_bwd, dtype, head_dim, causal):
+    arts = compiled_bwd(dtype, head_dim, causal)
+    assert set(arts) == {"preprocess", "main", "postprocess"}
+    text = arts["main"].ptx
+    assert ".target sm_90a" in text
+    wgmma_type = "bf16.bf16" if dtype == "bf16" else "f16.f16"
+    # the five products: S^T and dP^T from smem, dV and dK with A from registers, dQ
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{wgmma_type}", text)
+    assert "cp.async.bulk.tensor" in text  # TMA loads of Q, K, V, dO and the dK/dV stores
+    assert "cp.async.bulk.shared::cluster.global" in text  # LSE2 and D chunks
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in text  # dQ
+    assert "setmaxnreg.dec" in text and "setmaxnreg.inc" in text
+    assert "mbarrier.try_wait" in text
+    for name, art in arts.items():
+        assert "C7508" not in art.ptxas_report, name
+
+
+@pytest.mark.parametrize("head_dim", BWD_HEAD_DIMS)
+def test_backward_has_no_register_spills(compiled_bwd, head_dim):
+    report = compiled_bwd("bf16", head_dim, True)["main"].ptxas_report
+    if "ptxas not found" in report:
+        pytest.skip("ptxas is not on PATH: no resource report on this machine")
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert m, report
+    assert (int(m.group(1)), int(m.group(2))) == (0, 0), report
+
+
+def test_deterministic_backward_orders_dq_with_turn_counters():
+    from cute_attn import launcher
+    from cute_attn.config import choose_bwd_config
+
+    key = launcher.BwdKey("bf16", 128, True, choose_bwd_config(128, True), deterministic=True)
+    main = launcher.compile_bwd(key, "--keep-ptx")[1]
+    text = main.__ptx__
+    assert "ld.acquire.gpu.global" in text and "red.release.gpu.global.add" in text
+
+
+def test_cli_prints_backward_ptx(tmp_path, capsys):
+    from cute_attn.__main__ import main
+
+    out = tmp_path / "bwd.ptx"
+    assert main(["ptx", "--kernel", "bwd", "--headdim", "64", "--out", str(out)]) == 0
+    text = out.read_text()
+    for name in ("preprocess", "main", "postprocess"):
+        assert f"// ===== {name} =====" in text
+    assert text.count(".entry") == 3
+    assert "BwdKey" in capsys.readouterr().err

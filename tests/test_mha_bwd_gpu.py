@@ -29,7 +29,7 @@ PAIRS = [
 SUBSET = [(17, 1000), (129, 128), (1000, 129)]
 FULL = [(BF16, 128, b, h, sq, sk) for b, h in ((1, 1), (3, 4)) for sq, sk in PAIRS]
 FULL += [(BF16, 128, 1, 2, 4096, 4096), (BF16, 128, 1, 2, 4096, 129)]
-PARTIAL = [(dt, d, 3, 4, sq, sk) for dt, d in ((FP16, 128), (BF16, 64), (FP16, 64))
+PARTIAL = [(dt, d, 3, 4, sq, sk) for dt, d in ((FP16, 128), (BF16, 64), (FP16, 64), (BF16, 96))
            for sq, sk in SUBSET]
 FLOOR = 1e-3
 

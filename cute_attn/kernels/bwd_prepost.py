@@ -75,12 +75,12 @@ class BwdPreprocess:
 
 
 class BwdPostprocess:
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int, num_mma_warpgroups: int):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int, dq_warpgroups: int):
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
-        self.num_mma_wg = num_mma_warpgroups
-        self.num_threads = 128 * num_mma_warpgroups
+        self.dq_wgs = dq_warpgroups  # the main kernel's dQ layout: see BwdConfig.dq_warpgroups
+        self.num_threads = 128 * dq_warpgroups
 
     @cute.jit
     def __call__(
@@ -90,7 +90,7 @@ class BwdPostprocess:
         softmax_scale: Float32,
         stream,
     ):
-        tiled_mma_dq = make_dq_mma(self.dtype, self.head_dim, self.num_mma_wg)
+        tiled_mma_dq = make_dq_mma(self.dtype, self.head_dim, self.dq_wgs)
         grid = (
             cute.ceil_div(cute.size(mdQ.shape[1]), self.tile_m),
             cute.size(mdQ.shape[2]),

@@ -44,7 +44,8 @@ query blocks (those that straddle the diagonal) and, in the last KV tile, the ke
 seqlen_k are masked. Keys past seqlen_k (zero-filled by TMA) must still be masked: their
 P = exp2(-LSE2) is finite but can overflow to inf, and 0 * inf would reach dQ as NaN.
 
-Constraints: head_dim in {64, 96, 128}; fp16 or bf16 in, fp32 accumulation.
+Constraints: head_dim in {64, 96, 128} (at 96 warpgroup 0 alone computes dQ, see
+BwdConfig.dq_warpgroups); fp16 or bf16 in, fp32 accumulation.
 Read the PTX without a GPU: python -m cute_attn ptx --kernel bwd --headdim 128 [--causal]
 """
 
@@ -104,6 +105,8 @@ class FlashBwdSm90:
         self.num_mma_wg = config.num_mma_warpgroups
         self.num_threads = config.num_threads
         self.num_mma_threads = 128 * self.num_mma_wg
+        self.dq_wgs = config.dq_warpgroups
+        self.num_dq_threads = 128 * self.dq_wgs
 
     @cute.jit
     def __call__(
@@ -137,7 +140,7 @@ class FlashBwdSm90:
         tiled_mma_dkv = mma_sm90.make_tiled_mma(
             self.dtype, OperandMajorMode.MN, d, wgs, a_in_registers=True
         )
-        tiled_mma_dq = make_dq_mma(self.dtype, d, wgs)
+        tiled_mma_dq = make_dq_mma(self.dtype, d, self.dq_wgs)
 
         sQ_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages)
         sK_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, d)
@@ -356,7 +359,8 @@ class FlashBwdSm90:
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
         wg_mma_sdp = tiled_mma_sdp.get_slice(wg_first_thread)
         wg_mma_dkv = tiled_mma_dkv.get_slice(wg_first_thread)
-        wg_mma_dq = tiled_mma_dq.get_slice(wg_first_thread)
+        # with a single dQ warpgroup only warpgroup 0 uses these partitions
+        wg_mma_dq = tiled_mma_dq.get_slice(wg_first_thread if self.dq_wgs > 1 else 0)
         d = self.head_dim
 
         tSrK = wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sK))
@@ -426,7 +430,7 @@ class FlashBwdSm90:
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
         wg_mma_sdp = tiled_mma_sdp.get_slice(wg_first_thread)
-        wg_mma_dq = tiled_mma_dq.get_slice(wg_first_thread)
+        wg_mma_dq = tiled_mma_dq.get_slice(wg_first_thread if self.dq_wgs > 1 else 0)
         thr_mma_sdp = tiled_mma_sdp.get_slice(tidx)
         stage = state.index
         acc_shape = wg_mma_sdp.partition_shape_C((self.tile_n, self.tile_m))
@@ -477,14 +481,16 @@ class FlashBwdSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
 
-        acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-        mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wait_groups=0)
+        if wg_idx < self.dq_wgs:
+            acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+            mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wait_groups=0)
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                sdQ[dq_accum_offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
+            cute.arch.fence_view_async_shared()
+        else:
+            warpgroup.wait_group(0)
         # every WGMMA reading this stage's Q and dO has completed
         pipeline_q.consumer_release(state)
         pipeline_do.consumer_release(state)
-
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            sdQ[dq_accum_offset(i, tidx, self.num_mma_threads)] = acc_dQ[i]
-        cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
 

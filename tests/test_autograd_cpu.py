@@ -1,0 +1,98 @@
+"""The autograd wiring of cute_attn.mha, checked without a GPU: the launcher is replaced
+by a stand-in that computes with the fp32 reference on the CPU, so these tests see what
+the autograd Function saves, passes and returns, not the kernels' numerics."""
+
+import pytest
+import torch
+
+import cute_attn
+import cute_attn.api as api
+from cute_attn.reference import attention_ref
+
+
+class FakeLauncher:
+    def __init__(self):
+        self.bwd_calls = []
+
+    def run_fwd(self, q, k, v, *, causal, softmax_scale):
+        out, lse = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return out.to(q.dtype), lse
+
+    def run_bwd(self, dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic):
+        self.bwd_calls.append(dict(dout=dout, out=out, lse=lse, causal=causal,
+                                   softmax_scale=softmax_scale, deterministic=deterministic))
+        with torch.enable_grad():
+            q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
+            o, _ = attention_ref(q2, k2, v2, causal=causal, softmax_scale=softmax_scale)
+            grads = torch.autograd.grad(o, (q2, k2, v2), dout.float())
+        return tuple(g.to(q.dtype) for g in grads)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    launcher = FakeLauncher()
+    monkeypatch.setattr(api, "_launcher_module", launcher)
+    monkeypatch.setattr(api, "validate_fwd_inputs", lambda *a: None)  # CPU tensors
+    return launcher
+
+
+def _inputs(requires_grad=True):
+    torch.manual_seed(0)
+    return tuple(torch.randn(2, s, 3, 64, dtype=torch.float32).requires_grad_(requires_grad)
+                 for s in (5, 7, 7))
+
+
+def test_gradients_flow_to_q_k_v_with_the_call_settings(fake):
+    q, k, v = _inputs()
+    out = cute_attn.mha(q, k, v, causal=True, softmax_scale=0.3, deterministic=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (call,) = fake.bwd_calls
+    assert call["causal"] is True and call["softmax_scale"] == 0.3 and call["deterministic"] is True
+    assert torch.equal(call["dout"], dout)
+    # saved tensors are the forward's own out and lse, not recomputed
+    assert call["out"].shape == q.shape and call["lse"].shape == (2, 3, 5)
+    q_ref, k_ref, v_ref = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o_ref, _ = attention_ref(q_ref, k_ref, v_ref, causal=True, softmax_scale=0.3)
+    o_ref.backward(dout)
+    for g, g_ref in zip((q.grad, k.grad, v.grad), (q_ref.grad, k_ref.grad, v_ref.grad)):
+        torch.testing.assert_close(g, g_ref)
+
+
+def test_default_scale_is_inverse_sqrt_headdim(fake):
+    q, k, v = _inputs()
+    cute_attn.mha(q, k, v).sum().backward()
+    assert fake.bwd_calls[0]["softmax_scale"] == 64 ** -0.5
+
+
+def test_expanded_dout_is_packed_before_the_kernels(fake):
+    q, k, v = _inputs()
+    cute_attn.mha(q, k, v).sum().backward()  # autograd hands over a stride-0 dout
+    dout = fake.bwd_calls[0]["dout"]
+    assert dout.stride()[-1] == 1 and all(s % 8 == 0 for s in dout.stride()[:3])
+    assert torch.equal(dout, torch.ones_like(dout))
+
+
+def test_lse_is_returned_but_not_differentiable(fake):
+    q, k, v = _inputs()
+    out, lse = cute_attn.mha(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_no_autograd_node_without_requires_grad(fake):
+    q, k, v = _inputs(requires_grad=False)
+    out = cute_attn.mha(q, k, v)
+    assert out.grad_fn is None
+    q, k, v = _inputs()
+    with torch.no_grad():
+        assert cute_attn.mha(q, k, v).grad_fn is None
+
+
+def test_dout_that_does_not_match_out_is_rejected():
+    out = torch.zeros(2, 5, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dout"):
+        api._prepare_dout(torch.zeros(2, 5, 3, 64, dtype=torch.float16), out)
+    with pytest.raises(ValueError, match="dout"):
+        api._prepare_dout(torch.zeros(2, 5, 3, 32, dtype=torch.bfloat16), out)
+    ok = torch.zeros(2, 5, 3, 64, dtype=torch.bfloat16)
+    assert api._prepare_dout(ok, out) is ok  # already TMA-addressable: no copy
