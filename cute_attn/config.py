@@ -59,6 +59,11 @@ class BwdConfig:
     # consumer warpgroups that compute dQ = dS K: all of them, each owning a slice of
     # head_dim, or 1 when head_dim / 2 would not fall on the K tile's swizzle atoms
     dq_warpgroups: int = 2
+    # 0: a CTA produces all head_dim columns of dK, dV (and its dQ share). Otherwise it
+    # produces d_slice of them and head_dim / d_slice CTAs share one KV block, each
+    # recomputing S and dP in full: the dK/dV accumulators of head dims 192 and 256 do not
+    # fit in registers next to S and dP.
+    d_slice: int = 0
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -79,12 +84,18 @@ class BwdConfig:
 
 # Head dims the backward supports. Each consumer warpgroup keeps a 64 x head_dim dK and dV
 # accumulator in registers (head_dim registers per thread for the two), which leaves room
-# for the S, dP and dQ tiles only up to head dim 128.
-BWD_HEAD_DIMS = (64, 96, 128)
+# for the S, dP and dQ tiles only up to head dim 128; beyond, see BwdConfig.d_slice.
+BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 def choose_bwd_config(head_dim: int, causal: bool) -> BwdConfig:
     """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages. At head dim
     96 one warpgroup computes dQ: a 48-column half would straddle the 32-column swizzle
     atoms of the 96-wide K tile, which WGMMA's B operand cannot address."""
+    if head_dim > 128:
+        # Correct, not fast: head_dim / 64 CTAs per KV block each recompute S and dP
+        # (9/5 of the FLOPs at 192, 11/5 at 256). One stage keeps full-width Q, dO, K, V
+        # tiles within shared memory; 64-column slices are one swizzle atom, so one
+        # warpgroup takes dQ (half an atom cannot be a WGMMA B operand).
+        return BwdConfig(tile_m=64, tile_n=128, num_stages=1, dq_warpgroups=1, d_slice=64)
     return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2)

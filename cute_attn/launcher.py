@@ -222,7 +222,8 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
         FlashBwdSm90(dtype, key.head_dim, key.causal, cfg, key.deterministic), *main_args, options=options
     )
     post = cute.compile(
-        BwdPostprocess(dtype, key.head_dim, cfg.tile_m, cfg.dq_warpgroups), *post_args, options=options
+        BwdPostprocess(dtype, key.head_dim, cfg.tile_m, cfg.dq_warpgroups, cfg.d_slice or key.head_dim),
+        *post_args, options=options,
     )
     return pre, main, post
 
@@ -274,8 +275,9 @@ def run_bwd(
     dq_accum = torch.zeros((batch, heads, rows * head_dim), **f32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if deterministic:
-        # one turn counter per (batch, head, query block)
-        semaphore = torch.zeros((batch, heads, m_blocks), dtype=torch.int32, device=q.device)
+        # one turn counter per (batch, head, query block, head_dim slice)
+        slices = head_dim // (config.d_slice or head_dim)
+        semaphore = torch.zeros((batch, heads, m_blocks * slices), dtype=torch.int32, device=q.device)
     else:
         semaphore = _unused_semaphore(q.device)
     pre(out, dout, lse, lse2, dsum)

@@ -75,9 +75,12 @@ class BwdPreprocess:
 
 
 class BwdPostprocess:
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int, dq_warpgroups: int):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int, dq_warpgroups: int, d_slice: int):
         self.dtype = dtype
         self.head_dim = head_dim
+        # one dQ_accum chunk per (query block, head_dim slice), as the main kernel writes them
+        self.d_slice = d_slice
+        self.num_d_slices = head_dim // d_slice
         self.tile_m = tile_m
         self.dq_wgs = dq_warpgroups  # the main kernel's dQ layout: see BwdConfig.dq_warpgroups
         self.num_threads = 128 * dq_warpgroups
@@ -90,9 +93,9 @@ class BwdPostprocess:
         softmax_scale: Float32,
         stream,
     ):
-        tiled_mma_dq = make_dq_mma(self.dtype, self.head_dim, self.dq_wgs)
+        tiled_mma_dq = make_dq_mma(self.dtype, self.d_slice, self.dq_wgs)
         grid = (
-            cute.ceil_div(cute.size(mdQ.shape[1]), self.tile_m),
+            cute.ceil_div(cute.size(mdQ.shape[1]), self.tile_m) * self.num_d_slices,
             cute.size(mdQ.shape[2]),
             cute.size(mdQ.shape[0]),
         )
@@ -102,15 +105,17 @@ class BwdPostprocess:
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, tiled_mma_dq: cute.TiledMma):
-        m_block, head, batch = cute.arch.block_idx()
+        tile_idx, head, batch = cute.arch.block_idx()
+        m_block, d_block = tile_idx // self.num_d_slices, tile_idx % self.num_d_slices
         tidx, _, _ = cute.arch.thread_idx()
         seqlen_q = mdQ.shape[1]
         tCcC = tiled_mma_dq.get_slice(tidx).partition_C(
-            cute.make_identity_tensor((self.tile_m, self.head_dim))
+            cute.make_identity_tensor((self.tile_m, self.d_slice))
         )
-        base = m_block * (self.tile_m * self.head_dim)
+        base = tile_idx * (self.tile_m * self.d_slice)
         for i in cutlass.range_constexpr(cute.size(tCcC)):
             row = m_block * self.tile_m + tCcC[i][0]
             if row < seqlen_q:
                 value = mdQaccum[batch, head, base + dq_accum_offset(i, tidx, self.num_threads)]
-                mdQ[batch, row, head, tCcC[i][1]] = (value * softmax_scale).to(self.dtype)
+                col = d_block * self.d_slice + tCcC[i][1]
+                mdQ[batch, row, head, col] = (value * softmax_scale).to(self.dtype)

@@ -107,6 +107,9 @@ class FlashBwdSm90:
         self.num_mma_threads = 128 * self.num_mma_wg
         self.dq_wgs = config.dq_warpgroups
         self.num_dq_threads = 128 * self.dq_wgs
+        # the head_dim columns of dK, dV and dQ one CTA produces (see BwdConfig.d_slice)
+        self.d_slice = config.d_slice or head_dim
+        self.num_d_slices = head_dim // self.d_slice
 
     @cute.jit
     def __call__(
@@ -138,14 +141,16 @@ class FlashBwdSm90:
         tiled_mma_sdp = mma_sm90.make_tiled_mma(self.dtype, OperandMajorMode.K, self.tile_m, wgs)
         # dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T / Q^T (head_dim contiguous)
         tiled_mma_dkv = mma_sm90.make_tiled_mma(
-            self.dtype, OperandMajorMode.MN, d, wgs, a_in_registers=True
+            self.dtype, OperandMajorMode.MN, self.d_slice, wgs, a_in_registers=True
         )
-        tiled_mma_dq = make_dq_mma(self.dtype, d, self.dq_wgs)
+        tiled_mma_dq = make_dq_mma(self.dtype, self.d_slice, self.dq_wgs)
 
         sQ_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages)
         sK_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, d)
         # dS^T stored keys x queries with queries contiguous: read back MN-major as dS's A
         sdS_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, self.tile_m)
+        # dK / dV leave through sK / sV, seen as tile_n x d_slice tiles
+        sdKV_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, self.d_slice)
 
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         q_tile = cute.select(sQ_layout, mode=[0, 1])
@@ -153,8 +158,9 @@ class FlashBwdSm90:
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(load_op, mdO, q_tile, (self.tile_m, d), 1)
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, sK_layout, (self.tile_n, d))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, sK_layout, (self.tile_n, d))
-        tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store_op, mdK, sK_layout, (self.tile_n, d))
-        tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store_op, mdV, sK_layout, (self.tile_n, d))
+        dkv_tile = (self.tile_n, self.d_slice)
+        tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store_op, mdK, sdKV_layout, dkv_tile)
+        tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store_op, mdV, sdKV_layout, dkv_tile)
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, q_tile) + self.tile_m * 4
         self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, sK_layout)
 
@@ -165,7 +171,7 @@ class FlashBwdSm90:
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * d], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.d_slice], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -175,12 +181,14 @@ class FlashBwdSm90:
         self.shared_storage = SharedStorage
 
         num_n_blocks = cute.ceil_div(cute.size(mK.shape[0]), self.tile_n)
-        grid = SingleTileScheduler.grid(num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        grid = SingleTileScheduler.grid(
+            num_n_blocks * self.num_d_slices, cute.size(mK.shape[2]), cute.size(mK.shape[3])
+        )
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE2, mD, mdQaccum, mdQsemaphore,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV,
             softmax_scale, softmax_scale * math.log2(math.e),
-            sQ_layout, sK_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            sQ_layout, sK_layout, sdS_layout, sdKV_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -196,6 +204,7 @@ class FlashBwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
+        sdKV_layout: cute.ComposedLayout,
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -234,12 +243,17 @@ class FlashBwdSm90:
         stats_layout = cute.make_layout((self.tile_m, self.num_stages))
         sLSE2 = storage.sLSE2.get_tensor(stats_layout)
         sD = storage.sD.get_tensor(stats_layout)
-        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.d_slice))
+        # the epilogue's views of the K and V buffers
+        sdK = storage.sK.get_tensor(sdKV_layout.outer, swizzle=sdKV_layout.inner)
+        sdV = storage.sV.get_tensor(sdKV_layout.outer, swizzle=sdKV_layout.inner)
 
         seqlen = SeqlenInfo(mQ.shape[0], mK.shape[0])
         # n_block 0 sees the most query blocks under a causal mask, and grid order already
         # launches it first, so no reordering
-        scheduler = SingleTileScheduler(cute.ceil_div(seqlen.seqlen_k, self.tile_n), longest_first=False)
+        scheduler = SingleTileScheduler(
+            cute.ceil_div(seqlen.seqlen_k, self.tile_n) * self.num_d_slices, longest_first=False
+        )
         block_range = BlockRange(self.tile_m, self.tile_n, self.causal)
         pipeline_init_wait()
 
@@ -256,7 +270,7 @@ class FlashBwdSm90:
         else:
             cute.arch.setmaxregister_increase(_MMA_REGS)
             self.consume(
-                mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, tma_atom_dK, tma_atom_dV,
+                mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, sdK, sdV, tma_atom_dK, tma_atom_dV,
                 pipeline_kv, pipeline_q, pipeline_do, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                 scheduler, block_range, seqlen, softmax_scale, scale_log2, tidx - 128,
             )
@@ -270,7 +284,7 @@ class FlashBwdSm90:
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
         pipeline_kv, pipeline_q, pipeline_do, scheduler, block_range, seqlen,
     ):
-        n_block, head, batch = scheduler.tile()
+        n_block, _, head, batch = self.tile(scheduler)
         d = self.head_dim
         one_cta = cute.make_layout(1)
 
@@ -317,8 +331,8 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------
     @cute.jit
     def write_dq(self, mdQaccum, mdQsemaphore, sdQ, scheduler, block_range, seqlen):
-        n_block, head, batch = scheduler.tile()
-        chunk = self.tile_m * self.head_dim
+        n_block, d_block, head, batch = self.tile(scheduler)
+        chunk = self.tile_m * self.d_slice
         gdQaccum = cute.local_tile(mdQaccum[None, head, batch], (chunk,), (None,))
         m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
         barrier_threads = self.num_mma_threads + 32
@@ -328,13 +342,15 @@ class FlashBwdSm90:
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+            # dQ_accum chunks: query block major, head_dim slice minor
+            tile_idx = m_block * self.num_d_slices + d_block
             if lane == 0:
                 if cutlass.const_expr(self.deterministic):
                     # KV blocks add into a dQ tile in increasing n_block order: the ones
                     # that visit a query block are always a prefix 0..k (see BlockRange)
-                    turn_ptr = mdQsemaphore[None, head, batch].iterator + m_block
+                    turn_ptr = mdQsemaphore[None, head, batch].iterator + tile_idx
                     semaphore.wait_turn(turn_ptr, n_block)
-                bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, m_block].iterator, chunk * 4)
+                bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
                 cute.arch.cp_async_bulk_commit_group()
                 if cutlass.const_expr(self.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -351,7 +367,7 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, tma_atom_dK, tma_atom_dV,
+        self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, sdK, sdV, tma_atom_dK, tma_atom_dV,
         pipeline_kv, pipeline_q, pipeline_do, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
         scheduler, block_range, seqlen, softmax_scale, scale_log2, tidx,
     ):
@@ -367,17 +383,18 @@ class FlashBwdSm90:
         tSrQ = wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sQ))
         tdPrV = wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sV))
         tdPrdO = wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sdO))
-        tdVrdO = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(sdO)))
-        tdKrQ = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(sQ)))
+        n_block, d_block, head, batch = self.tile(scheduler)
+        # B operands of dV, dK and dQ: this CTA's head_dim slice of dO^T, Q^T and K^T
+        tdVrdO = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(sdO), d_block)))
+        tdKrQ = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(sQ), d_block)))
         tdQrdS = wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(sdS)))
-        tdQrK = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(mma_sm90.transpose_view(sK)))
+        tdQrK = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(self.d_rows(mma_sm90.transpose_view(sK), d_block)))
 
-        acc_dV = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
-        acc_dK = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, self.d_slice)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, self.d_slice)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
 
-        n_block, head, batch = scheduler.tile()
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen, self.causal)
         m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
         # masked steps: the query blocks crossing the diagonal, or all of them in the KV
@@ -409,15 +426,30 @@ class FlashBwdSm90:
         # Epilogue: dV and dK leave through sV and sK, which every warpgroup must be done
         # reading (its last dP and dQ WGMMAs) before they are overwritten.
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
-        epilogue.acc_to_smem(acc_dV, sV, tiled_mma_dkv, tidx, self.dtype)
-        epilogue.acc_to_smem(acc_dK, sK, tiled_mma_dkv, tidx, self.dtype, scale=softmax_scale)
+        epilogue.acc_to_smem(acc_dV, sdV, tiled_mma_dkv, tidx, self.dtype)
+        epilogue.acc_to_smem(acc_dK, sdK, tiled_mma_dkv, tidx, self.dtype, scale=softmax_scale)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         if tidx // 32 == 0:
-            gdV = cute.local_tile(mdV[None, None, head, batch], (self.tile_n, d), (n_block, 0))
-            gdK = cute.local_tile(mdK[None, None, head, batch], (self.tile_n, d), (n_block, 0))
-            epilogue.tma_store_tile(tma_atom_dV, sV, gdV)
-            epilogue.tma_store_tile(tma_atom_dK, sK, gdK)
+            tile = (self.tile_n, self.d_slice)
+            gdV = cute.local_tile(mdV[None, None, head, batch], tile, (n_block, d_block))
+            gdK = cute.local_tile(mdK[None, None, head, batch], tile, (n_block, d_block))
+            epilogue.tma_store_tile(tma_atom_dV, sdV, gdV)
+            epilogue.tma_store_tile(tma_atom_dK, sdK, gdK)
+
+    @cute.jit
+    def tile(self, scheduler):
+        """(n_block, d_block, head, batch) of this CTA: grid x enumerates KV blocks, and
+        within each, the head_dim slices of dK/dV/dQ it is split into (1 below hdim 192)."""
+        bid, head, batch = scheduler.tile()
+        return bid // self.num_d_slices, bid % self.num_d_slices, head, batch
+
+    def d_rows(self, t: cute.Tensor, d_block):
+        """Rows [d_block * d_slice, +d_slice) of a (head_dim, ...) smem view."""
+        if cutlass.const_expr(self.num_d_slices == 1):
+            return t
+        tiler = (self.d_slice,) + tuple(t.shape[1:])
+        return cute.local_tile(t, tiler, (d_block,) + (0,) * (cute.rank(t) - 1))
 
     @cute.jit
     def step(
@@ -482,7 +514,7 @@ class FlashBwdSm90:
         cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
 
         if wg_idx < self.dq_wgs:
-            acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+            acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.d_slice)), Float32)
             mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wait_groups=0)
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                 sdQ[dq_accum_offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
