@@ -17,7 +17,13 @@ from typing import Optional
 
 import torch
 
-from cute_attn.config import BWD_HEAD_DIMS, BwdConfig, FwdConfig, choose_bwd_config, choose_fwd_config
+from cute_attn.config import (
+    BWD_HEAD_DIMS,
+    BwdConfig,
+    FwdConfig,
+    choose_bwd_config,
+    choose_fwd_config,
+)
 
 ARCH = "sm_90a"
 _TORCH_TO_DSL = {torch.bfloat16: "bf16", torch.float16: "fp16"}

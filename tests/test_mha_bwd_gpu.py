@@ -17,8 +17,8 @@ import torch
 
 import cute_attn
 from cute_attn.config import BWD_HEAD_DIMS
-from cute_attn.validation import SUPPORTED_HEAD_DIMS
 from cute_attn.reference import attention_ref
+from cute_attn.validation import SUPPORTED_HEAD_DIMS
 
 pytestmark = pytest.mark.gpu
 BF16, FP16 = torch.bfloat16, torch.float16

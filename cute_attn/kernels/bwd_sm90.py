@@ -377,7 +377,6 @@ class FlashBwdSm90:
         wg_mma_dkv = tiled_mma_dkv.get_slice(wg_first_thread)
         # with a single dQ warpgroup only warpgroup 0 uses these partitions
         wg_mma_dq = tiled_mma_dq.get_slice(wg_first_thread if self.dq_wgs > 1 else 0)
-        d = self.head_dim
 
         tSrK = wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sK))
         tSrQ = wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sQ))
