@@ -3,7 +3,7 @@ autograd, a torch.autograd.Function runs the backward kernels."""
 
 import torch
 
-from cute_attn.validation import validate_fwd_inputs
+from cute_attn.validation import prepare_dout, validate_fwd_inputs
 
 
 def mha(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
@@ -71,26 +71,10 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         s = ctx.settings
         dq, dk, dv = _launcher().run_bwd(
-            _prepare_dout(dout, out), q, k, v, out, lse,
+            prepare_dout(dout, out), q, k, v, out, lse,
             causal=s.causal, softmax_scale=s.softmax_scale, deterministic=s.deterministic,
         )
         return dq, dk, dv, None
-
-
-def _prepare_dout(dout, out):
-    """dout as the backward kernels need it: out's dtype, shape and device, last dim
-    contiguous, other strides multiples of 16 bytes (TMA). Autograd hands over whatever
-    the next op produced (an expanded stride-0 tensor after .sum(), say); such a tensor
-    is packed into a fresh copy rather than rejected, since the user never chose it."""
-    if dout.dtype != out.dtype or dout.shape != out.shape or dout.device != out.device:
-        raise ValueError(
-            f"dout must match out (dtype {out.dtype}, shape {tuple(out.shape)}, device "
-            f"{out.device}); got dtype {dout.dtype}, shape {tuple(dout.shape)}, device {dout.device}"
-        )
-    strides = dout.stride()
-    if strides[3] != 1 or any(s % 8 for s in strides[:3]) or dout.data_ptr() % 16:
-        dout = dout.clone(memory_format=torch.contiguous_format)
-    return dout
 
 
 _launcher_module = None

@@ -58,8 +58,7 @@ def _fake_bshd(dtype, batch, seqlen, heads, head_dim: int, name: str):
 
 def _fake_fwd_args(key: FwdKey):
     """Symbolic stand-ins for (q, k, v, out, lse, scale, stream) that fix only what the
-    key fixes. Strides are 64-bit and declared multiples of 8 elements (16 bytes, as TMA
-    requires; validation checks it before a call); pointers 16-byte aligned."""
+    key fixes (see _fake_bshd for the strides and alignment)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -68,10 +67,7 @@ def _fake_fwd_args(key: FwdKey):
     seqlen_q, seqlen_k = cute.sym_int32(symbol="seqlen_q"), cute.sym_int32(symbol="seqlen_k")
 
     def bshd(seqlen, name):
-        strides = tuple(cute.sym_int64(divisibility=8, symbol=f"{name}_stride{i}") for i in range(3))
-        return cute.runtime.make_fake_tensor(
-            dtype, (batch, seqlen, heads, key.head_dim), stride=(*strides, 1), assumed_align=16
-        )
+        return _fake_bshd(dtype, batch, seqlen, heads, key.head_dim, name)
 
     lse = cute.runtime.make_fake_tensor(
         cutlass.Float32,
@@ -106,18 +102,25 @@ _cache_lock = threading.Lock()
 _default_kernels: dict = {}
 
 
-def get_fwd_kernel(key: FwdKey):
+def _cached(key, compile_fn):
+    """The compiled function(s) of key, compiled on first use (once across threads)."""
     fn = _cache.get(key)
     if fn is None:
         with _cache_lock:
             fn = _cache.get(key)
             if fn is None:
-                compiled = compile_fwd(key)
-                # call the tvm_ffi.Function underneath the DSL's keyword-argument wrapper
-                raw = getattr(compiled, "__tvm_ffi_object__", None)
-                fn = (raw() if raw is not None else None) or compiled
-                _cache[key] = fn
+                fn = _cache[key] = compile_fn(key)
     return fn
+
+
+def _raw(compiled):
+    # the tvm_ffi.Function underneath the DSL's keyword-argument wrapper: a cheaper call
+    raw = getattr(compiled, "__tvm_ffi_object__", None)
+    return (raw() if raw is not None else None) or compiled
+
+
+def get_fwd_kernel(key: FwdKey):
+    return _cached(key, lambda k: _raw(compile_fwd(k)))
 
 
 def run_fwd(
@@ -234,21 +237,8 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
     return pre, main, post
 
 
-def _raw(compiled):
-    # the tvm_ffi.Function underneath the DSL's keyword-argument wrapper
-    raw = getattr(compiled, "__tvm_ffi_object__", None)
-    return (raw() if raw is not None else None) or compiled
-
-
 def get_bwd_kernels(key: BwdKey):
-    fns = _cache.get(key)
-    if fns is None:
-        with _cache_lock:
-            fns = _cache.get(key)
-            if fns is None:
-                fns = tuple(_raw(f) for f in compile_bwd(key))
-                _cache[key] = fns
-    return fns
+    return _cached(key, lambda k: tuple(_raw(f) for f in compile_bwd(k)))
 
 
 def run_bwd(

@@ -122,6 +122,22 @@ def validate_fwd_inputs(q, k, v, softmax_scale):
         )
 
 
+def prepare_dout(dout, out):
+    """dout as the backward kernels need it: out's dtype, shape and device, last dim
+    contiguous, other strides multiples of 16 bytes (TMA). Autograd hands over whatever
+    the next op produced (an expanded stride-0 tensor after .sum(), say); such a tensor
+    is packed into a fresh copy rather than rejected, since the user never chose it."""
+    if dout.dtype != out.dtype or dout.shape != out.shape or dout.device != out.device:
+        raise ValueError(
+            f"dout must match out (dtype {out.dtype}, shape {tuple(out.shape)}, device "
+            f"{out.device}); got dtype {dout.dtype}, shape {tuple(dout.shape)}, device {dout.device}"
+        )
+    strides = dout.stride()
+    if strides[3] != 1 or any(s % _ALIGN_ELEMS for s in strides[:3]) or dout.data_ptr() % _ALIGN_BYTES:
+        dout = dout.clone(memory_format=torch.contiguous_format)
+    return dout
+
+
 def _check_shapes(q, k, v):
     b, sq, h, d = q.shape
     for name, t in (("k", k), ("v", v)):

@@ -8,6 +8,7 @@ import torch
 import cute_attn
 import cute_attn.api as api
 from cute_attn.reference import attention_ref
+from cute_attn.validation import prepare_dout
 
 
 class FakeLauncher:
@@ -91,8 +92,8 @@ def test_no_autograd_node_without_requires_grad(fake):
 def test_dout_that_does_not_match_out_is_rejected():
     out = torch.zeros(2, 5, 3, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="dout"):
-        api._prepare_dout(torch.zeros(2, 5, 3, 64, dtype=torch.float16), out)
+        prepare_dout(torch.zeros(2, 5, 3, 64, dtype=torch.float16), out)
     with pytest.raises(ValueError, match="dout"):
-        api._prepare_dout(torch.zeros(2, 5, 3, 32, dtype=torch.bfloat16), out)
+        prepare_dout(torch.zeros(2, 5, 3, 32, dtype=torch.bfloat16), out)
     ok = torch.zeros(2, 5, 3, 64, dtype=torch.bfloat16)
-    assert api._prepare_dout(ok, out) is ok  # already TMA-addressable: no copy
+    assert prepare_dout(ok, out) is ok  # already TMA-addressable: no copy

@@ -14,17 +14,21 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from cute_attn import ptx as ptx_tool  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def compiled():
+def _cached_compiler(compile_artifacts):
     cache = {}
 
     def get(dtype, head_dim, causal):
         key = (dtype, head_dim, causal)
         if key not in cache:
-            cache[key] = ptx_tool.compile_fwd_artifacts(dtype, head_dim, causal)
+            cache[key] = compile_artifacts(dtype, head_dim, causal)
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return _cached_compiler(ptx_tool.compile_fwd_artifacts)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -79,15 +83,7 @@ from cute_attn.config import BWD_HEAD_DIMS  # noqa: E402
 
 @pytest.fixture(scope="module")
 def compiled_bwd():
-    cache = {}
-
-    def get(dtype, head_dim, causal):
-        key = (dtype, head_dim, causal)
-        if key not in cache:
-            cache[key] = ptx_tool.compile_bwd_artifacts(dtype, head_dim, causal)
-        return cache[key]
-
-    return get
+    return _cached_compiler(ptx_tool.compile_bwd_artifacts)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -14,6 +14,7 @@ covers it and stays below a quarter ulp of bf16 gradients of magnitude >= 1.
 
 import pytest
 import torch
+from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401 (fixture)
 
 import cute_attn
 from cute_attn.config import BWD_HEAD_DIMS
@@ -41,14 +42,6 @@ def _case_id(case):
     return f"{str(dtype).removeprefix('torch.')}-d{d}-b{b}-h{h}-sq{sq}-sk{sk}"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _exact_fp32_matmul():
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(old)
-
-
 def _inputs(b, sq, sk, h, d, dtype, seed=0):
     torch.manual_seed(seed)
     q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda") for s in (sq, sk, sk))
@@ -56,20 +49,10 @@ def _inputs(b, sq, sk, h, d, dtype, seed=0):
     return q, k, v, dout
 
 
-def _poison_allocator(*nbytes):
-    """The next CUDA allocations of these sizes come back full of 0xFF bytes (NaN in
-    fp16/bf16/fp32), so a gradient element the kernels never write fails the checks.
-    See tests/test_mha_gpu.py for why this works with torch's caching allocator."""
-    torch.cuda.empty_cache()
-    for order in (nbytes, nbytes[::-1]):
-        bufs = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in order]
-        del bufs
-
-
 def _kernel_grads(q, k, v, dout, **kwargs):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = cute_attn.mha(q, k, v, **kwargs)
-    _poison_allocator(q.numel() * q.element_size(), k.numel() * k.element_size())
+    poison_allocator(q.numel() * q.element_size(), k.numel() * k.element_size())
     return torch.autograd.grad(out, (q, k, v), dout)
 
 

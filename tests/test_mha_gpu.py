@@ -10,6 +10,7 @@ full only for bf16 / headdim 128 and a subset of shapes elsewhere (14 kernels).
 
 import pytest
 import torch
+from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401 (fixture)
 
 import cute_attn
 from cute_attn.reference import attention_ref
@@ -52,35 +53,9 @@ def _case_id(case):
     return f"{str(dtype).removeprefix('torch.')}-d{d}-b{b}-h{h}-sq{sq}-sk{sk}"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _exact_fp32_matmul():
-    # The fp32 reference must not silently run its matmuls in TF32.
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(old)
-
-
 def _qkv(b, sq, sk, h, d, dtype, seed=0):
     torch.manual_seed(seed)
     return tuple(torch.randn(b, s, h, d, dtype=dtype, device="cuda") for s in (sq, sk, sk))
-
-
-def _poison_allocator(*nbytes):
-    """Make the next CUDA allocations of these byte sizes come back full of NaN.
-
-    The kernel's outputs come from torch.empty, so an element it never writes would
-    hold whatever the caching allocator's block held before. The allocator serves a
-    request from the best-fitting free block and a free merges the block back, so
-    allocating, filling and freeing blocks of the output sizes leaves the free list
-    as it was, with the very bytes the next same-sized requests will get now 0xFF:
-    a NaN as fp16, bf16 and fp32 alike. Both orders are poisoned because we do not
-    rely on the launcher allocating out before lse.
-    """
-    torch.cuda.empty_cache()
-    for order in (nbytes, nbytes[::-1]):
-        bufs = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in order]
-        del bufs
 
 
 def _out_lse_bytes(q):
@@ -90,7 +65,7 @@ def _out_lse_bytes(q):
 
 def _run(q, k, v, **kwargs):
     """mha on NaN-poisoned memory, with output shape/dtype checks."""
-    _poison_allocator(*_out_lse_bytes(q))
+    poison_allocator(*_out_lse_bytes(q))
     out, lse = cute_attn.mha(q, k, v, return_lse=True, **kwargs)
     b, sq, h, _ = q.shape
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
@@ -183,7 +158,7 @@ def test_poison_reaches_the_outputs(shape):
     b, sq, h, d = shape
     q = torch.empty(shape, dtype=BF16, device="cuda")
     for first_out in (True, False):
-        _poison_allocator(*_out_lse_bytes(q))
+        poison_allocator(*_out_lse_bytes(q))
         make_out = lambda: torch.empty(shape, dtype=BF16, device="cuda")  # noqa: E731
         make_lse = lambda: torch.empty(b, h, sq, dtype=torch.float32, device="cuda")  # noqa: E731
         if first_out:

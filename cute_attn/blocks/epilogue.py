@@ -1,6 +1,7 @@
 """Writing a finished accumulator tile out: registers -> shared memory (stmatrix) -> global
 memory (one TMA bulk store, clipped to the tensor's bounds by the tensor map). Used for O
-in the forward and for dK, dV in the backward. The barriers around these steps belong to
+in the forward and for dK, dV in the backward (whose dS tile also goes to shared memory
+through regs_to_smem). The barriers around these steps belong to
 the kernels: they know who else reads the shared buffer."""
 
 from typing import Optional
@@ -23,14 +24,21 @@ def acc_to_smem(
 ):
     """Convert this thread's fp32 accumulator slice (times scale) to dtype and store it
     into the row-major swizzled tile sX with stmatrix. The caller fences
-    (fence_view_async_shared) and synchronises before a TMA reads sX."""
+    (fence_view_async_shared) and synchronises before a TMA or WGMMA reads sX."""
     rX = cute.make_rmem_tensor_like(acc, dtype)
     if cutlass.const_expr(scale is None):
         rX.store(acc.load().to(dtype))
     else:
         rX.store((acc.load() * scale).to(dtype))
+    regs_to_smem(rX, sX, tiled_mma, tidx)
+
+
+@cute.jit
+def regs_to_smem(rX: cute.Tensor, sX: cute.Tensor, tiled_mma: cute.TiledMma, tidx):
+    """Store registers already in the tile's dtype, laid out like tiled_mma's accumulator,
+    into the row-major swizzled tile sX with stmatrix."""
     store_atom = sm90_helpers.get_smem_store_op(
-        cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, Float32
+        cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, rX.element_type, Float32
     )
     thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma).get_slice(tidx)
     cute.copy(store_atom, thr_store.retile(rX), thr_store.partition_D(sX))

@@ -56,7 +56,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
@@ -69,6 +68,7 @@ from cute_attn.blocks.mask import AttentionMask
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import probs_from_lse
 from cute_attn.blocks.tile_scheduler import SingleTileScheduler
+from cute_attn.blocks.tma_pipeline import make_tma_pipeline
 from cute_attn.config import BwdConfig
 
 _PRODUCER_REGS, _MMA_REGS = 24, 240
@@ -216,23 +216,9 @@ class FlashBwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipeline_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
-            producer_group=tma_thread, consumer_group=mma_warps,
-            tx_count=self.tma_bytes_kv, defer_sync=True,
-        )
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
-            producer_group=tma_thread, consumer_group=mma_warps,
-            tx_count=self.tma_bytes_q, defer_sync=True,
-        )
-        pipeline_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
-            producer_group=tma_thread, consumer_group=mma_warps,
-            tx_count=self.tma_bytes_q, defer_sync=True,
-        )
+        pipeline_kv = make_tma_pipeline(storage.mbar_kv.data_ptr(), 1, self.tma_bytes_kv, self.num_mma_threads)
+        pipeline_q = make_tma_pipeline(storage.mbar_q.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads)
+        pipeline_do = make_tma_pipeline(storage.mbar_do.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads)
         pipeline_init_arrive(is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -506,9 +492,7 @@ class FlashBwdSm90:
         # dS^T to shared memory for dQ = dS K, which needs every warpgroup's keys
         barrier_threads = self.num_mma_threads + 32
         cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
-        store_atom = sm90_helpers.get_smem_store_op(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32)
-        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_sdp).get_slice(tidx)
-        cute.copy(store_atom, thr_store.retile(rdS), thr_store.partition_D(sdS))
+        epilogue.regs_to_smem(rdS, sdS, tiled_mma_sdp, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
 

@@ -54,6 +54,7 @@ from cute_attn.blocks.mask import AttentionMask
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import OnlineSoftmax
 from cute_attn.blocks.tile_scheduler import SingleTileScheduler
+from cute_attn.blocks.tma_pipeline import make_tma_pipeline
 from cute_attn.config import FwdConfig
 
 # Register budgets per thread after setmaxnreg (producer, consumer) by consumer warpgroups:
@@ -179,24 +180,9 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # consumers release a stage with one arrive per warp (lane 0)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
-            producer_group=tma_thread, consumer_group=mma_warps,
-            tx_count=self.tma_bytes_q, defer_sync=True,
-        )
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
-            producer_group=tma_thread, consumer_group=mma_warps,
-            tx_count=self.tma_bytes_kv, defer_sync=True,
-        )
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
-            producer_group=tma_thread, consumer_group=mma_warps,
-            tx_count=self.tma_bytes_kv, defer_sync=True,
-        )
+        pipeline_q = make_tma_pipeline(storage.mbar_q.data_ptr(), 1, self.tma_bytes_q, self.num_mma_threads)
+        pipeline_k = make_tma_pipeline(storage.mbar_k.data_ptr(), self.num_stages, self.tma_bytes_kv, self.num_mma_threads)
+        pipeline_v = make_tma_pipeline(storage.mbar_v.data_ptr(), self.num_stages, self.tma_bytes_kv, self.num_mma_threads)
         pipeline_init_arrive(is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)

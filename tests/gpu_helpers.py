@@ -1,0 +1,33 @@
+"""Helpers shared by the GPU test modules (test_mha_gpu.py, test_mha_bwd_gpu.py).
+
+Import the fixture into a test module to apply it there (it is autouse per module).
+"""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def exact_fp32_matmul():
+    # The fp32 reference must not silently run its matmuls in TF32.
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
+def poison_allocator(*nbytes):
+    """Make the next CUDA allocations of these byte sizes come back full of NaN.
+
+    The kernel's outputs come from torch.empty, so an element it never writes would
+    hold whatever the caching allocator's block held before. The allocator serves a
+    request from the best-fitting free block and a free merges the block back, so
+    allocating, filling and freeing blocks of the output sizes leaves the free list
+    as it was, with the very bytes the next same-sized requests will get now 0xFF:
+    a NaN as fp16, bf16 and fp32 alike. Both orders are poisoned because we do not
+    rely on the launcher allocating out before lse.
+    """
+    torch.cuda.empty_cache()
+    for order in (nbytes, nbytes[::-1]):
+        bufs = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in order]
+        del bufs
