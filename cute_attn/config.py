@@ -6,6 +6,33 @@ different kernel, while sequence lengths, batch and heads stay dynamic.
 
 from dataclasses import dataclass
 
+MASK_KINDS = ("none", "causal", "local")
+# An unbounded side of a local window on the device: far beyond any sequence length, yet
+# i + offset +- UNBOUNDED stays within an Int32 for sequences below 2^29.
+UNBOUNDED = 1 << 30
+
+
+@dataclass(frozen=True)
+class AttnFeatures:
+    """What a call needs beyond dense softmax attention, as far as it changes the kernel
+    code (each combination is one compiled specialisation). The values behind them (the
+    window's sides, the softcap, the sequence offsets) are run-time arguments, and GQA
+    needs no flag at all: the kernels read each head's KV head as head // (heads_q //
+    heads_kv) from the tensor shapes."""
+
+    mask: str = "none"  # "none" | "causal" | "local" (sliding window), see blocks/mask.py
+    softcap: bool = False  # scores = softcap * tanh(scale * q k^T / softcap)
+    varlen: bool = False  # packed sequences with cu_seqlens offsets, see blocks/seqlen.py
+
+    def __post_init__(self):
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"mask must be one of {MASK_KINDS}, got {self.mask!r}")
+
+    @property
+    def causal_like(self) -> bool:
+        # the tile heuristics treat any window like causal: work shrinks per tile
+        return self.mask != "none"
+
 
 @dataclass(frozen=True)
 class FwdConfig:

@@ -19,6 +19,8 @@ import torch
 
 from cute_attn.config import (
     BWD_HEAD_DIMS,
+    UNBOUNDED,
+    AttnFeatures,
     BwdConfig,
     FwdConfig,
     choose_bwd_config,
@@ -33,9 +35,22 @@ _TORCH_TO_DSL = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 class FwdKey:
     dtype: str  # "bf16" | "fp16"
     head_dim: int
-    causal: bool
+    features: AttnFeatures
     config: FwdConfig
     arch: str = ARCH
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """The run-time values of one call beyond its tensors (none of them is in a key)."""
+
+    softmax_scale: float
+    softcap: float = 0.0  # 0: off
+    window: tuple = (UNBOUNDED, UNBOUNDED)  # (left, right) of a "local" mask
+    cu_seqlens_q: Optional[torch.Tensor] = None  # varlen only
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
 
 
 def _dsl_dtype(name: str):
@@ -56,48 +71,74 @@ def _fake_bshd(dtype, batch, seqlen, heads, head_dim: int, name: str):
     )
 
 
+def _fake_rowwise(batch, heads, n, name, align=4, divisibility=1):
+    """(batch, heads, n) float32 with the last dim contiguous."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(
+        cutlass.Float32, (batch, heads, n),
+        stride=(cute.sym_int64(divisibility=divisibility, symbol=f"{name}_stride0"),
+                cute.sym_int64(divisibility=divisibility, symbol=f"{name}_stride1"), 1),
+        assumed_align=align,
+    )
+
+
+def _fake_cu_seqlens(name):
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(
+        cutlass.Int32, (cute.sym_int32(symbol=f"{name}_len"),), assumed_align=4
+    )
+
+
+def _fake_scalars():
+    """(softmax_scale, softcap, window_left, window_right) stand-ins."""
+    import cutlass
+
+    return cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0)
+
+
 def _fake_fwd_args(key: FwdKey):
-    """Symbolic stand-ins for (q, k, v, out, lse, scale, stream) that fix only what the
-    key fixes (see _fake_bshd for the strides and alignment)."""
+    """Symbolic stand-ins for the forward's arguments that fix only what the key fixes
+    (see _fake_bshd for the strides and alignment). Varlen calls pass (1, total, ...)
+    views of the packed tensors, so batch, seqlen and heads stay symbols either way."""
     import cutlass
     import cutlass.cute as cute
 
     dtype = _dsl_dtype(key.dtype)
-    batch, heads = cute.sym_int32(symbol="batch"), cute.sym_int32(symbol="heads")
+    batch = cute.sym_int32(symbol="batch")
+    heads, heads_kv = cute.sym_int32(symbol="heads"), cute.sym_int32(symbol="heads_kv")
     seqlen_q, seqlen_k = cute.sym_int32(symbol="seqlen_q"), cute.sym_int32(symbol="seqlen_k")
-
-    def bshd(seqlen, name):
-        return _fake_bshd(dtype, batch, seqlen, heads, key.head_dim, name)
-
-    lse = cute.runtime.make_fake_tensor(
-        cutlass.Float32,
-        (batch, heads, seqlen_q),
-        stride=(cute.sym_int64(symbol="lse_stride0"), cute.sym_int64(symbol="lse_stride1"), 1),
-        assumed_align=4,
-    )
+    d = key.head_dim
+    q, o = (_fake_bshd(dtype, batch, seqlen_q, heads, d, n) for n in ("q", "o"))
+    k, v = (_fake_bshd(dtype, batch, seqlen_k, heads_kv, d, n) for n in ("k", "v"))
+    lse = _fake_rowwise(batch, heads, seqlen_q, "lse")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return (
-        bshd(seqlen_q, "q"), bshd(seqlen_k, "k"), bshd(seqlen_k, "v"), bshd(seqlen_q, "o"),
-        lse, cutlass.Float32(1.0), stream,
+        q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"),
+        cutlass.Int32(0), *_fake_scalars(), stream,
     )
 
 
 def compile_fwd(key: FwdKey, extra_options: str = ""):
     """Compile one forward specialisation; returns the TVM-FFI callable
-    f(q, k, v, out, lse, softmax_scale)."""
+    f(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, softcap,
+    window_left, window_right)."""
     import cutlass.cute as cute
 
     from cute_attn.kernels.fwd_sm90 import FlashFwdSm90
 
     os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
-    kernel = FlashFwdSm90(_dsl_dtype(key.dtype), key.head_dim, key.causal, key.config)
+    kernel = FlashFwdSm90(_dsl_dtype(key.dtype), key.head_dim, key.features, key.config)
     options = ("--enable-tvm-ffi " + extra_options).strip()
     return cute.compile(kernel, *_fake_fwd_args(key), options=options)
 
 
 _cache: dict = {}
 _cache_lock = threading.Lock()
-# (torch dtype, head_dim, causal) -> kernel of the default config: the per-call lookup
+# (torch dtype, head_dim, features) -> kernel of the default config: the per-call lookup
 # then hashes three plain values instead of building and hashing config dataclasses
 _default_kernels: dict = {}
 
@@ -123,30 +164,66 @@ def get_fwd_kernel(key: FwdKey):
     return _cached(key, lambda k: _raw(compile_fwd(k)))
 
 
+_DENSE = AttnFeatures()
+_DENSE_CAUSAL = AttnFeatures(mask="causal")
+
+
 def run_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    causal: bool,
+    causal: bool = False,
     softmax_scale: float,
+    features: Optional[AttnFeatures] = None,
+    args: Optional[RunArgs] = None,
     config: Optional[FwdConfig] = None,
 ):
     """Launch the forward on validated inputs; returns (out, lse). out has q's dtype and
     dimension order (empty_like keeps a transposed view's strides); lse is float32
-    (batch, heads, seqlen_q)."""
-    batch, seqlen_q, heads, head_dim = q.shape
+    (batch, heads, seqlen_q), or (heads, total_q) for varlen.
+
+    features=None is plain attention (causal or not); otherwise `args` carries the
+    run-time values that go with the features (its softmax_scale wins)."""
+    if features is None:
+        features = _DENSE_CAUSAL if causal else _DENSE
+    if args is None:
+        args = RunArgs(softmax_scale)
+    head_dim = q.shape[-1]
     if config is None:
-        fn = _default_kernels.get((q.dtype, head_dim, causal))
+        fn = _default_kernels.get((q.dtype, head_dim, features))
         if fn is None:
-            key = FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, causal, choose_fwd_config(head_dim, causal))
-            fn = _default_kernels.setdefault((q.dtype, head_dim, causal), get_fwd_kernel(key))
+            cfg = choose_fwd_config(head_dim, features.causal_like)
+            fn = get_fwd_kernel(FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, cfg))
+            fn = _default_kernels.setdefault((q.dtype, head_dim, features), fn)
     else:
-        fn = get_fwd_kernel(FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, causal, config))
+        fn = get_fwd_kernel(FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, config))
     out = torch.empty_like(q)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    fn(q, k, v, out, lse, softmax_scale)
+    if features.varlen:
+        total_q, heads, _ = q.shape
+        lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+        # the kernels see a packed batch as one (1, total, heads, head_dim) sequence
+        q4, k4, v4, out4, lse3 = q[None], k[None], v[None], out[None], lse[None]
+        cu_q, cu_k = args.cu_seqlens_q, args.cu_seqlens_k
+    else:
+        batch, seqlen_q, heads, _ = q.shape
+        lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+        q4, k4, v4, out4, lse3 = q, k, v, out, lse
+        cu_q = cu_k = _unused_cu_seqlens(q.device)
+    fn(q4, k4, v4, out4, lse3, cu_q, cu_k, args.max_seqlen_q, args.softmax_scale,
+       args.softcap, args.window[0], args.window[1])
     return out, lse
+
+
+_unused_cu_seqlens_per_device: dict = {}
+
+
+def _unused_cu_seqlens(device):
+    # dense kernels never read it; one per device avoids a per-call allocation
+    t = _unused_cu_seqlens_per_device.get(device)
+    if t is None:
+        t = _unused_cu_seqlens_per_device[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return t
 
 
 # ----------------------------------------------------------------------------------------

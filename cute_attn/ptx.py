@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from cute_attn.config import choose_bwd_config, choose_fwd_config
+from cute_attn.config import AttnFeatures, choose_bwd_config, choose_fwd_config
 from cute_attn.launcher import ARCH, BwdKey, FwdKey, compile_bwd, compile_fwd
 
 
@@ -34,17 +34,28 @@ os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "
 os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
 
 
-def compile_fwd_artifacts(dtype: str, head_dim: int, causal: bool) -> CompiledArtifacts:
+def _features(causal: bool, features: Optional[AttnFeatures]) -> AttnFeatures:
+    return features if features is not None else AttnFeatures(mask="causal" if causal else "none")
+
+
+def compile_fwd_artifacts(
+    dtype: str, head_dim: int, causal: bool = False, features: Optional[AttnFeatures] = None
+) -> CompiledArtifacts:
+    """features (mask kind, softcap, varlen) overrides causal when given."""
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
-    key = FwdKey(dtype, head_dim, causal, choose_fwd_config(head_dim, causal))
+    features = _features(causal, features)
+    key = FwdKey(dtype, head_dim, features, choose_fwd_config(head_dim, features.causal_like))
     fn = compile_fwd(key, "--keep-ptx --keep-cubin")
     return CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))
 
 
-def compile_bwd_artifacts(dtype: str, head_dim: int, causal: bool) -> dict:
+def compile_bwd_artifacts(
+    dtype: str, head_dim: int, causal: bool = False, features: Optional[AttnFeatures] = None
+) -> dict:
     """{"preprocess" | "main" | "postprocess": CompiledArtifacts} of one backward."""
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
-    key = BwdKey(dtype, head_dim, causal, choose_bwd_config(head_dim, causal))
+    features = _features(causal, features)
+    key = BwdKey(dtype, head_dim, features, choose_bwd_config(head_dim, features.causal_like))
     fns = compile_bwd(key, "--keep-ptx --keep-cubin")
     return {
         name: CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))

@@ -1,60 +1,111 @@
-"""Which KV blocks a query tile visits, and which of them need a mask.
+"""Which tiles a CTA visits, and which of them need a mask (the rule is mask.Window).
 
-Causal masks are aligned to the bottom-right corner (FlashAttention's convention): query
-row i sees key j iff j <= i + seqlen_k - seqlen_q. KV blocks wholly above the diagonal are
-never visited (never loaded), and only the blocks that straddle the diagonal or the end of
-the keys are masked.
+Forward: a query tile visits the KV blocks [n_min, n_max) that hold a key some row of it
+sees; blocks outside are never loaded. Of those, the blocks that cut the right edge of the
+window (the causal diagonal) or its left edge are masked; the ones between are not.
+Backward, the other way round: a KV tile visits the query blocks [m_min, m_max) that see
+one of its keys, masked likewise near both edges.
+
+Bottom-right alignment throughout: with offset = seqlen_k - seqlen_q, query i sees key j
+iff i + offset - left <= j <= i + offset + right (each side only if the kind bounds it).
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from cute_attn.blocks.mask import Window
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.staged import Staged
 
 
 class BlockRange(Staged):
-    def __init__(self, tile_m: int, tile_n: int, causal: bool):
+    def __init__(self, tile_m: int, tile_n: int, window: Window):
         self.tile_m = tile_m
         self.tile_n = tile_n
-        self.causal = causal
+        self.window = window
+
+    # -- forward: one query block, a range of KV blocks ------------------------------------
 
     @cute.jit
     def n_block_min_max(self, seqlen: SeqlenInfo, m_block: Int32):
-        """[n_min, n_max): the KV blocks that hold at least one visible key for this tile."""
+        """[n_min, n_max): the KV blocks that hold at least one key visible to the tile."""
+        w = self.window
+        offset = seqlen.seqlen_k - seqlen.seqlen_q
         n_block_max = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(w.has_right):
             last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen.seqlen_q) - 1
-            # keys [0, last_row + 1 + seqlen_k - seqlen_q) are visible to the tile's last row
-            visible = cutlass.max(last_row + 1 + seqlen.seqlen_k - seqlen.seqlen_q, 0)
-            n_block_max = cutlass.min(n_block_max, cute.ceil_div(visible, self.tile_n))
-        return Int32(0), n_block_max
+            # keys [0, end) are visible to the tile's last row
+            end = cutlass.max(last_row + 1 + offset + w.right_extent(), 0)
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div(end, self.tile_n))
+        n_block_min = Int32(0)
+        if cutlass.const_expr(w.has_left):
+            first_key = cutlass.max(m_block * self.tile_m + offset - w.left, 0)
+            n_block_min = cutlass.min(first_key // self.tile_n, n_block_max)
+        return n_block_min, n_block_max
 
     @cute.jit
-    def n_block_min_causal_mask(self, seqlen: SeqlenInfo, m_block: Int32, n_block_min: Int32):
-        """Blocks >= this index straddle the diagonal for some row of the tile and need the
-        causal mask; blocks below it are fully visible to every row."""
-        first_row_visible = m_block * self.tile_m + 1 + seqlen.seqlen_k - seqlen.seqlen_q
-        return cutlass.max(n_block_min, cutlass.max(first_row_visible, 0) // self.tile_n)
+    def n_block_right_mask_start(self, seqlen: SeqlenInfo, m_block: Int32, n_block_min: Int32, n_block_max: Int32):
+        """Blocks in [this, n_max) may cut the window's right edge (the causal diagonal)
+        for some row; the last block (end of the keys) is always masked, so this is at
+        most n_max - 1. Result in [n_min, n_max - 1]."""
+        start = n_block_max - 1
+        if cutlass.const_expr(self.window.has_right):
+            # the tile's first row sees keys [.., end): blocks wholly before end are safe
+            end = m_block * self.tile_m + 1 + seqlen.seqlen_k - seqlen.seqlen_q + self.window.right_extent()
+            start = cutlass.min(start, cutlass.max(end, 0) // self.tile_n)
+        return cutlass.max(start, n_block_min)
 
-    # The backward walks the other way: a CTA owns one KV block and visits query blocks.
+    @cute.jit
+    def n_block_left_mask_end(self, seqlen: SeqlenInfo, m_block: Int32, n_block_min: Int32, right_mask_start: Int32):
+        """Blocks in [n_min, this) may cut the window's left edge for some row. Result in
+        [n_min, right_mask_start]."""
+        end = n_block_min
+        if cutlass.const_expr(self.window.has_left):
+            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen.seqlen_q) - 1
+            # the tile's last row sees keys from `first` on: blocks starting there are safe
+            first = cutlass.max(last_row + seqlen.seqlen_k - seqlen.seqlen_q - self.window.left, 0)
+            end = cutlass.max(end, cute.ceil_div(first, self.tile_n))
+        return cutlass.min(end, right_mask_start)
+
+    # -- backward: one KV block, a range of query blocks -----------------------------------
 
     @cute.jit
     def m_block_min_max(self, seqlen: SeqlenInfo, n_block: Int32):
         """[m_min, m_max): the query blocks that see at least one key of this KV block."""
+        w = self.window
+        offset = seqlen.seqlen_k - seqlen.seqlen_q
         m_block_max = cute.ceil_div(seqlen.seqlen_q, self.tile_m)
+        if cutlass.const_expr(w.has_left):
+            last_key = cutlass.min((n_block + 1) * self.tile_n, seqlen.seqlen_k) - 1
+            # queries [.., end) see the block's last key
+            end = cutlass.max(last_key - offset + w.left + 1, 0)
+            m_block_max = cutlass.min(m_block_max, cute.ceil_div(end, self.tile_m))
         m_block_min = Int32(0)
-        if cutlass.const_expr(self.causal):
-            # the block's first key is visible from query (key - seqlen_k + seqlen_q) on
-            first_query = n_block * self.tile_n - seqlen.seqlen_k + seqlen.seqlen_q
-            m_block_min = cutlass.min(cutlass.max(first_query, 0) // self.tile_m, m_block_max)
-        return m_block_min, m_block_max
+        if cutlass.const_expr(w.has_right):
+            # the block's first key is visible from query (key - offset - right) on
+            first_query = n_block * self.tile_n - offset - w.right_extent()
+            m_block_min = cutlass.max(first_query, 0) // self.tile_m
+        return cutlass.min(m_block_min, m_block_max), m_block_max
 
     @cute.jit
-    def m_block_max_causal_mask(self, seqlen: SeqlenInfo, n_block: Int32, m_block_min: Int32, m_block_max: Int32):
-        """Query blocks below this index straddle the diagonal for some key of the KV
-        block and need the causal mask; blocks from it on see every key of the block."""
-        last_key_first_query = (n_block + 1) * self.tile_n - 1 - seqlen.seqlen_k + seqlen.seqlen_q
-        end = cute.ceil_div(cutlass.max(last_key_first_query, 0), self.tile_m)
+    def m_block_right_mask_end(self, seqlen: SeqlenInfo, n_block: Int32, m_block_min: Int32, m_block_max: Int32):
+        """Query blocks in [m_min, this) may cut the right edge (the diagonal) for some
+        key of the block; from here on they see every key of it from that side."""
+        end = m_block_min
+        if cutlass.const_expr(self.window.has_right):
+            last_key_first_query = (
+                (n_block + 1) * self.tile_n - 1 - seqlen.seqlen_k + seqlen.seqlen_q - self.window.right_extent()
+            )
+            end = cute.ceil_div(cutlass.max(last_key_first_query, 0), self.tile_m)
         return cutlass.max(cutlass.min(end, m_block_max), m_block_min)
+
+    @cute.jit
+    def m_block_left_mask_start(self, seqlen: SeqlenInfo, n_block: Int32, right_mask_end: Int32, m_block_max: Int32):
+        """Query blocks in [this, m_max) may cut the left edge for some key of the block."""
+        start = m_block_max
+        if cutlass.const_expr(self.window.has_left):
+            # queries [.., end) see the block's first key
+            end = n_block * self.tile_n - seqlen.seqlen_k + seqlen.seqlen_q + self.window.left + 1
+            start = cutlass.max(end, 0) // self.tile_m
+        return cutlass.max(cutlass.min(start, m_block_max), right_mask_end)

@@ -54,3 +54,24 @@ def tma_store_tile(tma_atom: cute.CopyAtom, sX: cute.Tensor, gX: cute.Tensor):
     cute.copy(tma_atom, tXsX, tXgX)
     cute.arch.cp_async_bulk_commit_group()
     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def store_rows(sX: cute.Tensor, gX: cute.Tensor, num_rows, tidx, num_threads: cutlass.Constexpr[int]):
+    """Copy the first num_rows rows of the shared tile sX to gX, 16 bytes per thread and
+    instruction, by all num_threads threads. For packed variable-length batches, where a
+    TMA store of the whole tile would run into the next sequence's rows. The caller
+    synchronises the threads that wrote sX before, and those that reuse it after."""
+    rows, cols = cute.size(sX.shape[0]), cute.size(sX.shape[1])
+    elems = 128 // sX.element_type.width
+    threads_per_row = cols // elems
+    copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sX.element_type, num_bits_per_copy=128)
+    thr_layout = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
+    tiled_copy = cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, elems)))
+    thr_copy = tiled_copy.get_slice(tidx)
+    tXsX = thr_copy.partition_S(sX)
+    tXgX = thr_copy.partition_D(gX)
+    tXcX = thr_copy.partition_S(cute.make_identity_tensor((rows, cols)))
+    for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+        if tXcX[0, m, 0][0] < num_rows:
+            cute.copy(copy_atom, tXsX[None, m, None], tXgX[None, m, None])

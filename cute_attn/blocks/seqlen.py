@@ -1,15 +1,74 @@
-"""Sequence lengths of the (batch, head) a CTA works on.
+"""Sequence bounds of the batch entry a CTA works on, and views of its rows.
 
-Dense batches read them off the tensor shapes; variable-length batches will read offsets
-from cu_seqlens here, so kernels never compute sequence bounds themselves.
+Dense batches read the lengths off the tensor shapes and index the batch mode. Variable-
+length (packed) batches arrive as (1, total, heads, head_dim) tensors with cu_seqlens
+offsets: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1], reached by offsetting the
+tensor's domain, so the kernels see the same 2-D (seqlen, head_dim) tiles either way and
+never compute sequence bounds themselves.
+
+A packed tile that runs past its sequence reads the next sequence's rows (TMA clips only
+at the end of the whole tensor). That is harmless for loads, whose extra rows the masks
+and the +inf LSE padding neutralise, but a store must stop at the sequence's end: the
+kernels store packed tiles row by row (blocks/epilogue.py).
+
+The backward's per-row statistics and dQ accumulator are padded per sequence to whole
+query tiles: sequence b starts at row (cu_seqlens_q[b] + b * tile_m) // tile_m * tile_m,
+which leaves room for every sequence's last partial tile without overlap (the buffer holds
+total_q + batch * tile_m rows).
 """
 
+import cutlass
+import cutlass.cute as cute
 from cutlass import Int32
 
 from cute_attn.blocks.staged import Staged
 
 
 class SeqlenInfo(Staged):
-    def __init__(self, seqlen_q: Int32, seqlen_k: Int32):
-        self.seqlen_q = seqlen_q
-        self.seqlen_k = seqlen_k
+    def __init__(
+        self,
+        batch: Int32,
+        seqlen_q_dense: Int32,
+        seqlen_k_dense: Int32,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        varlen: bool,
+        tile_m_padded: int = 0,
+    ):
+        self.varlen = varlen
+        if cutlass.const_expr(varlen):
+            self.offset_q = mCuSeqlensQ[batch]
+            self.offset_k = mCuSeqlensK[batch]
+            self.seqlen_q = mCuSeqlensQ[batch + 1] - self.offset_q
+            self.seqlen_k = mCuSeqlensK[batch + 1] - self.offset_k
+            # the tensors' batch mode has size 1
+            self.batch = Int32(0)
+            self.padded_m_block_offset = Int32(0)
+            if cutlass.const_expr(tile_m_padded > 0):
+                self.padded_m_block_offset = (self.offset_q + batch * tile_m_padded) // tile_m_padded
+        else:
+            self.offset_q = Int32(0)
+            self.offset_k = Int32(0)
+            self.seqlen_q = seqlen_q_dense
+            self.seqlen_k = seqlen_k_dense
+            self.batch = batch
+            self.padded_m_block_offset = Int32(0)
+
+    def rows_q(self, mX: cute.Tensor, head):
+        """(seqlen, head_dim, heads, batch) tensor -> this sequence's (seqlen_q, head_dim)
+        rows of one head (a TMA coordinate tensor or a plain one)."""
+        return self._rows(mX[None, None, head, self.batch], self.offset_q)
+
+    def rows_k(self, mX: cute.Tensor, head):
+        return self._rows(mX[None, None, head, self.batch], self.offset_k)
+
+    def stats_q(self, mX: cute.Tensor, head):
+        """(seqlen, heads, batch) per-row tensor (the forward's LSE) -> this sequence's
+        seqlen_q entries of one head."""
+        return self._rows(mX[None, head, self.batch], self.offset_q)
+
+    def _rows(self, t: cute.Tensor, offset):
+        if cutlass.const_expr(not self.varlen):
+            return t
+        coord = (offset,) + (0,) * (cute.rank(t) - 1)
+        return cute.domain_offset(coord, t)

@@ -89,3 +89,11 @@ def probs_from_lse(acc_S: cute.Tensor, lse_log2_cols: cute.Tensor, scale_log2: F
     for r in cutlass.range_constexpr(cute.size(S.shape[0])):
         for c in cutlass.range_constexpr(cute.size(S.shape[1])):
             S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2_cols[c], fastmath=True)
+
+
+@cute.jit
+def softcap_scores(acc_S: cute.Tensor, pre_scale: Float32):
+    """Gemma 2's logit softcap, first half: S <- tanh(S * softmax_scale / softcap) in place.
+    The kernels then run the softmax with scale_log2 = softcap * log2(e), which makes the
+    scores softcap * tanh(scale * S / softcap) without another multiply per element."""
+    acc_S.store(cute.math.tanh(acc_S.load() * pre_scale, fastmath=True))

@@ -14,12 +14,13 @@ from cute_attn.blocks.staged import Staged
 
 
 class SingleTileScheduler(Staged):
-    def __init__(self, num_m_blocks: Int32, longest_first: bool):
-        self.num_m_blocks = num_m_blocks
+    def __init__(self, longest_first: bool):
         self.longest_first = longest_first
 
     @staticmethod
     def grid(num_m_blocks, num_heads, batch):
+        # variable-length batches size the first mode by the longest sequence; the
+        # kernels skip the tiles past a shorter sequence's end
         return (num_m_blocks, num_heads, batch)
 
     @cute.jit
@@ -27,5 +28,5 @@ class SingleTileScheduler(Staged):
         bid_m, head, batch = cute.arch.block_idx()
         m_block = bid_m
         if cutlass.const_expr(self.longest_first):
-            m_block = self.num_m_blocks - 1 - bid_m
+            m_block = cute.arch.grid_dim()[0] - 1 - bid_m
         return Int32(m_block), Int32(head), Int32(batch)

@@ -32,6 +32,17 @@ Epilogue: normalise O by the row sums, write O to shared memory (aliasing Q) wit
 then one warp stores it with a TMA bulk copy (clipped to seqlen_q by the tensor map); LSE
 goes straight from registers to global memory.
 
+Features (config.AttnFeatures, one specialisation each; their values are run-time):
+  * GQA / MQA: query head h reads KV head h // (heads_q / heads_kv).
+  * masks (blocks/mask.py): none, causal, or a sliding window; KV blocks that no row of
+    the tile sees are never loaded, and only blocks cutting a window edge are masked: the
+    loop runs the masked blocks at the right edge, the unmasked bulk, then the masked
+    blocks at the left edge.
+  * softcap: S <- tanh(S * scale / softcap) before the mask, softmax scaled by softcap.
+  * varlen: packed sequences located by cu_seqlens (blocks/seqlen.py); tiles past a
+    sequence's end exit at once, and O leaves row by row instead of by TMA so that a
+    partial tile never writes into the next sequence.
+
 Constraints: head_dim in {64, 96, 128, 192, 256}; fp16 or bf16 in, fp32 accumulation.
 Read the PTX without a GPU: python -m cute_attn ptx --dtype bf16 --headdim 128 [--causal]
 """
@@ -43,19 +54,19 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from cute_attn.blocks import epilogue, mma_sm90
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
-from cute_attn.blocks.mask import AttentionMask
+from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
-from cute_attn.blocks.softmax import OnlineSoftmax
+from cute_attn.blocks.softmax import OnlineSoftmax, softcap_scores
 from cute_attn.blocks.tile_scheduler import SingleTileScheduler
 from cute_attn.blocks.tma_pipeline import make_tma_pipeline
-from cute_attn.config import FwdConfig
+from cute_attn.config import AttnFeatures, FwdConfig
 
 # Register budgets per thread after setmaxnreg (producer, consumer) by consumer warpgroups:
 # 128 * (producer + n * consumer) must stay within the SM's 64K registers.
@@ -64,11 +75,11 @@ _REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
 class FlashFwdSm90:
     def __init__(
-        self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, config: FwdConfig
+        self, dtype: Type[cutlass.Numeric], head_dim: int, features: AttnFeatures, config: FwdConfig
     ):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.causal = causal
+        self.features = features
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_stages = config.num_stages
@@ -82,12 +93,18 @@ class FlashFwdSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
-        mK: cute.Tensor,  # (batch, seqlen_k, heads, head_dim)
-        mV: cute.Tensor,  # (batch, seqlen_k, heads, head_dim)
-        mO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
-        mLSE: cute.Tensor,  # (batch, heads, seqlen_q), float32
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim); varlen: (1, total_q, ...)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mO: cute.Tensor,  # like mQ
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q), float32; varlen: (1, heads, total_q)
+        mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32; varlen only (else unread)
+        mCuSeqlensK: cute.Tensor,
+        max_seqlen_q: Int32,  # varlen: the longest query sequence (sizes the grid)
         softmax_scale: Float32,
+        softcap: Float32,  # with features.softcap
+        window_left: Int32,  # with mask "local": config.UNBOUNDED for an open side
+        window_right: Int32,
         stream,
     ):
         # Kernel-side view: (seqlen, head_dim, heads, batch), so that a CTA's slice
@@ -136,15 +153,24 @@ class FlashFwdSm90:
 
         self.shared_storage = SharedStorage
 
-        num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
-        grid = SingleTileScheduler.grid(
-            num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])
-        )
-        scale_log2 = softmax_scale * math.log2(math.e)
+        if cutlass.const_expr(self.features.varlen):
+            num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
+            batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+        else:
+            num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+            batch = cute.size(mQ.shape[3])
+        grid = SingleTileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), batch)
+        if cutlass.const_expr(self.features.softcap):
+            # scores = softcap * tanh(S * scale / softcap): tanh first, softcap in the exp2
+            scale_log2 = softcap * math.log2(math.e)
+            softcap_pre = softmax_scale / softcap
+        else:
+            scale_log2 = softmax_scale * math.log2(math.e)
+            softcap_pre = Float32(1.0)
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE,
+            tma_Q, tma_K, tma_V, tma_O, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            scale_log2, sQ_layout, sK_layout, sV_layout,
+            scale_log2, softcap_pre, window_left, window_right, sQ_layout, sK_layout, sV_layout,
             tiled_mma_qk, tiled_mma_pv,
         ).launch(
             grid=grid,
@@ -161,12 +187,18 @@ class FlashFwdSm90:
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
+        mO_rows: cute.Tensor,
         mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
         tma_atom_O: cute.CopyAtom,
         scale_log2: Float32,
+        softcap_pre: Float32,
+        window_left: Int32,
+        window_right: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -189,27 +221,34 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        seqlen = SeqlenInfo(mQ.shape[0], mK.shape[0])
-        scheduler = SingleTileScheduler(
-            cute.ceil_div(seqlen.seqlen_q, self.tile_m), longest_first=self.causal
+        # causal-like masks: the last query blocks see the most keys, so they go first
+        scheduler = SingleTileScheduler(longest_first=self.features.causal_like)
+        m_block, head, batch = scheduler.tile()
+        seqlen = SeqlenInfo(
+            batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.features.varlen
         )
-        block_range = BlockRange(self.tile_m, self.tile_n, self.causal)
+        window = Window(self.features.mask, window_left, window_right)
+        block_range = BlockRange(self.tile_m, self.tile_n, window)
+        tile = (m_block, head, batch)
         pipeline_init_wait()
 
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                self.produce(
-                    mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                    pipeline_q, pipeline_k, pipeline_v, scheduler, block_range, seqlen,
+        # varlen: the grid covers the longest sequence; a tile past this one's end has no
+        # rows (uniform across the CTA, so no barrier is left waiting)
+        if not self.features.varlen or m_block * self.tile_m < seqlen.seqlen_q:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce(
+                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                        pipeline_q, pipeline_k, pipeline_v, tile, block_range, seqlen,
+                    )
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.consume(
+                    mO, mO_rows, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
+                    tiled_mma_qk, tiled_mma_pv, tile, block_range, seqlen, window,
+                    scale_log2, softcap_pre, tidx - 128,
                 )
-        else:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(
-                mO, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
-                tiled_mma_qk, tiled_mma_pv, scheduler, block_range, seqlen,
-                scale_log2, tidx - 128,
-            )
 
     # ------------------------------------------------------------------------------------
     # Producer: one warp, TMA only
@@ -217,13 +256,15 @@ class FlashFwdSm90:
     @cute.jit
     def produce(
         self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-        pipeline_q, pipeline_k, pipeline_v, scheduler, block_range, seqlen,
+        pipeline_q, pipeline_k, pipeline_v, tile, block_range, seqlen,
     ):
-        m_block, head, batch = scheduler.tile()
+        m_block, head, _ = tile
+        # GQA / MQA: a group of heads_q / heads_kv query heads shares one KV head
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
         d = self.head_dim
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head, batch], (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head, batch], (self.tile_n, d), (None, 0))
+        gQ = cute.local_tile(seqlen.rows_q(mQ, head), (self.tile_m, d), (m_block, 0))
+        gK = cute.local_tile(seqlen.rows_k(mK, head_kv), (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(seqlen.rows_k(mV, head_kv), (self.tile_n, d), (None, 0))
         one_cta = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
@@ -271,8 +312,9 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, mO, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
-        tiled_mma_qk, tiled_mma_pv, scheduler, block_range, seqlen, scale_log2, tidx,
+        self, mO, mO_rows, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
+        tiled_mma_qk, tiled_mma_pv, tile, block_range, seqlen, window, scale_log2, softcap_pre,
+        tidx,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
@@ -295,8 +337,8 @@ class FlashFwdSm90:
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
 
-        m_block, head, batch = scheduler.tile()
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, self.causal)
+        m_block, head, batch = tile
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window)
         n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block)
         if cutlass.const_expr(self.pingpong):
             if wg_idx == 0:
@@ -321,31 +363,30 @@ class FlashFwdSm90:
                 zero_init=True, wait_groups=0,
             )
             pipeline_k.consumer_release(kv_state)
-            mask.apply(acc_S, tScS, m_block, n_block_max - 1, mask_causal=True)
+            if cutlass.const_expr(self.features.softcap):
+                softcap_scores(acc_S, softcap_pre)
+            mask.apply(acc_S, tScS, m_block, n_block_max - 1)
             pending_scale.store(softmax.step(acc_S, is_first=True).load())
             tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
             if cutlass.const_expr(not self.intra_wg_overlap):
                 kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
 
-            # Blocks crossing the diagonal (causal only), then the unmasked bulk.
-            n_block_unmasked = n_block_max - 1
-            if cutlass.const_expr(self.causal):
-                n_block_unmasked = cutlass.min(
-                    n_block_max - 1,
-                    block_range.n_block_min_causal_mask(seqlen, m_block, n_block_min),
-                )
-            for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
-                kv_state = self.mainloop_step(
-                    n_block_max - 2 - i, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape,
-                    tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax, mask, tScS,
-                    m_block, wg_idx, pending_scale, mask_causal=True,
-                )
-            for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
-                kv_state = self.mainloop_step(
-                    n_block_unmasked - 1 - i, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt,
-                    acc_S_shape, tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax,
-                    mask, tScS, m_block, wg_idx, pending_scale, mask_causal=False,
-                )
+            # Blocks cutting the window's right edge (the causal diagonal), the unmasked
+            # bulk, then blocks cutting its left edge (sliding windows only).
+            right_start = block_range.n_block_right_mask_start(seqlen, m_block, n_block_min, n_block_max)
+            left_end = block_range.n_block_left_mask_end(seqlen, m_block, n_block_min, right_start)
+            step_args = (
+                acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape, tiled_mma_qk, tiled_mma_pv,
+                pipeline_k, pipeline_v, softmax, mask, tScS, m_block, wg_idx, pending_scale,
+                softcap_pre,
+            )
+            for i in cutlass.range(n_block_max - 1 - right_start, unroll=1):
+                kv_state = self.mainloop_step(n_block_max - 2 - i, kv_state, *step_args, masked=True)
+            for i in cutlass.range(right_start - left_end, unroll=1):
+                kv_state = self.mainloop_step(right_start - 1 - i, kv_state, *step_args, masked=False)
+            if cutlass.const_expr(window.has_left):
+                for i in cutlass.range(left_end - n_block_min, unroll=1):
+                    kv_state = self.mainloop_step(left_end - 1 - i, kv_state, *step_args, masked=True)
             if cutlass.const_expr(self.intra_wg_overlap):
                 softmax.rescale(acc_O, pending_scale)
                 kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
@@ -353,14 +394,14 @@ class FlashFwdSm90:
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         softmax.finalize(acc_O, lse)
         self.epilogue(
-            acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen,
+            acc_O, lse, mO, mO_rows, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head, seqlen,
         )
 
     @cute.jit
     def mainloop_step(
         self, n_block, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape,
         tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax, mask, tScS, m_block,
-        wg_idx, pending_scale, mask_causal: cutlass.Constexpr[bool],
+        wg_idx, pending_scale, softcap_pre, masked: cutlass.Constexpr[bool],
     ):
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         if cutlass.const_expr(self.intra_wg_overlap):
@@ -386,8 +427,10 @@ class FlashFwdSm90:
             self.pass_turn(wg_idx)
             warpgroup.wait_group(1)
             pipeline_k.consumer_release(kv_state)
-            if cutlass.const_expr(mask_causal):
-                mask.apply(acc_S, tScS, m_block, n_block, mask_causal=True)
+            if cutlass.const_expr(self.features.softcap):
+                softcap_scores(acc_S, softcap_pre)
+            if cutlass.const_expr(masked):
+                mask.apply(acc_S, tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(v_state)
@@ -402,8 +445,10 @@ class FlashFwdSm90:
             self.pass_turn(wg_idx)
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(kv_state)
-            if cutlass.const_expr(mask_causal):
-                mask.apply(acc_S, tScS, m_block, n_block, mask_causal=True)
+            if cutlass.const_expr(self.features.softcap):
+                softcap_scores(acc_S, softcap_pre)
+            if cutlass.const_expr(masked):
+                mask.apply(acc_S, tScS, m_block, n_block)
             row_scale = softmax.step(acc_S, is_first=False)
             softmax.rescale(acc_O, row_scale)
             tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
@@ -439,7 +484,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def epilogue(
-        self, acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen,
+        self, acc_O, lse, mO, mO_rows, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head, seqlen,
     ):
         sO = sQ  # Q's buffer and layout: Q is dead once every warpgroup passed the barrier below
         # every warpgroup's last QK^T WGMMA must have read sQ before sO overwrites it
@@ -449,16 +494,20 @@ class FlashFwdSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         d = self.head_dim
-        if tidx // 32 == 0:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
-            epilogue.tma_store_tile(tma_atom_O, sO, gO)
+        if cutlass.const_expr(self.features.varlen):
+            gO = cute.local_tile(seqlen.rows_q(mO_rows, head), (self.tile_m, d), (m_block, 0))
+            epilogue.store_rows(sO, gO, seqlen.seqlen_q - m_block * self.tile_m, tidx, self.num_mma_threads)
+        else:
+            if tidx // 32 == 0:
+                gO = cute.local_tile(seqlen.rows_q(mO, head), (self.tile_m, d), (m_block, 0))
+                epilogue.tma_store_tile(tma_atom_O, sO, gO)
 
         # LSE: the quad's column-0 thread writes its rows, clipped to seqlen_q
         thr_mma = tiled_mma_pv.get_slice(tidx)
         tOcO = mma_sm90.acc_as_rows_cols(
             thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, d)))
         )
-        mLSE_cur = mLSE[None, head, batch]
+        mLSE_cur = seqlen.stats_q(mLSE, head)
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + tOcO[r, 0][0]
