@@ -1,10 +1,10 @@
-"""cute_attn: a FlashAttention forward for Hopper (sm_90) in the CUTLASS CuTe DSL.
+"""cute_attn: FlashAttention (forward and backward) for Hopper (sm_90) in the CUTLASS CuTe DSL.
 
 Importing the package does not import the DSL; the launcher loads it on first call.
 """
 
 from cute_attn import reference
-from cute_attn.api import mha
+from cute_attn.api import mha, mha_varlen
 
 __version__ = "0.1.0"
-__all__ = ["mha", "reference", "__version__"]
+__all__ = ["mha", "mha_varlen", "reference", "__version__"]

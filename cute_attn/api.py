@@ -1,26 +1,45 @@
-"""Public entry point: check inputs on the host, then hand off to the launcher; under
+"""Public entry points: check inputs on the host, then hand off to the launcher; under
 autograd, a torch.autograd.Function runs the backward kernels."""
 
 import torch
 
-from cute_attn.validation import prepare_dout, validate_fwd_inputs
+from cute_attn.config import UNBOUNDED, AttnFeatures
+from cute_attn.launcher import RunArgs
+from cute_attn.validation import (
+    prepare_dout,
+    validate_fwd_inputs,
+    validate_softcap,
+    validate_varlen_fwd_inputs,
+    validate_window_size,
+)
 
 
-def mha(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, deterministic=False):
+_NO_WINDOW = (-1, -1)
+
+
+def mha(q, k, v, *, causal=False, softmax_scale=None, window_size=_NO_WINDOW, softcap=0.0,
+        return_lse=False, deterministic=False):
     """Multi-head attention on an sm_90 (Hopper) GPU, differentiable.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim) CUDA tensor, float16 or bfloat16.
-        k, v: (batch, seqlen_k, nheads, headdim), same dtype and device as q.
-            Layout is FlashAttention's (sequence before heads). Strides are free
-            as long as the last dim is contiguous and the others are multiples of
-            8 elements, so a .transpose(1, 2) view of a (b, h, s, d) tensor works.
-            headdim must be one of validation.SUPPORTED_HEAD_DIMS (the backward:
-            config.BWD_HEAD_DIMS).
+        k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype and device as q, with
+            nheads_kv dividing nheads: query head h reads KV head h // (nheads /
+            nheads_kv) (GQA; nheads_kv = 1 is MQA). Layout is FlashAttention's
+            (sequence before heads). Strides are free as long as the last dim is
+            contiguous and the others are multiples of 8 elements, so a .transpose(1, 2)
+            view of a (b, h, s, d) tensor works. headdim must be one of
+            validation.SUPPORTED_HEAD_DIMS (the backward: config.BWD_HEAD_DIMS).
         causal: mask aligned to the bottom-right corner: query i sees key j iff
             j <= i + seqlen_k - seqlen_q. A query that sees no key (seqlen_q >
             seqlen_k) gets out = 0 and lse = -inf, and zero gradients.
         softmax_scale: multiplies q k^T before the softmax; default 1/sqrt(headdim).
+        window_size: (left, right) sliding window, FlashAttention's: query i sees key j
+            iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right;
+            -1 leaves a side unbounded. causal=True sets right = 0. KV blocks outside
+            every row's window are never loaded.
+        softcap: > 0 caps the scores, softcap * tanh(softmax_scale * q k^T / softcap)
+            (Gemma 2); 0 is off.
         return_lse: also return the log-sum-exp of each row (not differentiable).
         deterministic: make the backward's dQ accumulation order fixed, so gradients
             are bit-identical run to run.
@@ -36,21 +55,97 @@ def mha(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, determin
     """
     validate_fwd_inputs(q, k, v, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[3] ** -0.5
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        settings = _AttentionSettings(bool(causal), scale, bool(deterministic))
-        out, lse = _AttentionFunction.apply(q, k, v, settings)
+    features, run_args = _features_and_args(causal, window_size, softcap, scale)
+    if features is None:
+        # the common case keeps the shortest host path
+        features = _CAUSAL if causal else _DENSE
+        run_args = None
+    return _run(q, k, v, features, run_args, scale, deterministic, return_lse)
+
+
+def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+               causal=False, window_size=_NO_WINDOW, softmax_scale=None, softcap=0.0,
+               return_lse=False, deterministic=False):
+    """mha over a packed batch of variable-length sequences, differentiable.
+
+    Args:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim): the batch's
+            sequences concatenated (no padding). Sequence b is rows
+            cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1]
+            of k and v; a sequence may be empty.
+        cu_seqlens_q, cu_seqlens_k: torch.int32, (batch + 1,), on q's device, starting
+            at 0 and non-decreasing. Their values are checked only when they are on the
+            CPU (a check on the GPU would synchronise every call).
+        max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence (they
+            size the grid: a smaller value leaves rows uncomputed).
+        Everything else as in `mha`; masks are bottom-right aligned per sequence.
+
+    Returns:
+        out (total_q, nheads, headdim) like q, or (out, lse) with lse float32
+        (nheads, total_q) (FlashAttention's varlen layout).
+
+    The kernels take cu_seqlens and max_seqlen at run time: a new batch of lengths
+    never recompiles.
+    """
+    validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    features, run_args = _features_and_args(
+        causal, window_size, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    )
+    return _run(q, k, v, features, run_args, scale, deterministic, return_lse)
+
+
+_DENSE = AttnFeatures()
+_CAUSAL = AttnFeatures(mask="causal")
+
+
+def _features_and_args(causal, window_size, softcap, scale, varlen=None):
+    """(AttnFeatures, launcher.RunArgs) of a call, or (None, None) for plain dense
+    attention (causal or not). A window equal to causal becomes causal; -1 sides become
+    config.UNBOUNDED."""
+    if window_size is _NO_WINDOW:
+        left = right = -1  # the default: skip the checks on the hot path
     else:
-        out, lse = _launcher().run_fwd(q, k, v, causal=bool(causal), softmax_scale=scale)
+        left, right = validate_window_size(window_size)
+    softcap = 0.0 if softcap == 0.0 and type(softcap) is float else validate_softcap(softcap)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        mask = "none"
+    elif left < 0 and right == 0:
+        mask = "causal"
+    else:
+        mask = "local"
+    if mask != "local" and softcap == 0.0 and varlen is None:
+        return None, None
+    window = (UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)
+    features = AttnFeatures(mask=mask, softcap=softcap > 0, varlen=varlen is not None)
+    if varlen is None:
+        return features, RunArgs(scale, softcap, window)
+    cu_q, cu_k, max_q, max_k = varlen
+    return features, RunArgs(scale, softcap, window, cu_q, cu_k, int(max_q), int(max_k))
+
+
+def _run(q, k, v, features, run_args, scale, deterministic, return_lse):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        settings = _AttentionSettings(features, run_args, scale, bool(deterministic))
+        out, lse = _AttentionFunction.apply(q, k, v, settings)
+    elif run_args is None:
+        out, lse = _launcher().run_fwd(q, k, v, causal=features.mask == "causal", softmax_scale=scale)
+    else:
+        out, lse = _launcher().run_fwd(q, k, v, softmax_scale=scale, features=features, args=run_args)
     return (out, lse) if return_lse else out
 
 
 class _AttentionSettings:
     """The non-tensor arguments of one attention call, carried to the backward."""
 
-    __slots__ = ("causal", "softmax_scale", "deterministic")
+    __slots__ = ("features", "run_args", "softmax_scale", "deterministic")
 
-    def __init__(self, causal: bool, softmax_scale: float, deterministic: bool):
-        self.causal = causal
+    def __init__(self, features, run_args, softmax_scale: float, deterministic: bool):
+        self.features = features
+        self.run_args = run_args  # launcher.RunArgs, or None for plain attention
         self.softmax_scale = softmax_scale
         self.deterministic = deterministic
 
@@ -59,7 +154,8 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, settings):
         out, lse = _launcher().run_fwd(
-            q, k, v, causal=settings.causal, softmax_scale=settings.softmax_scale
+            q, k, v, softmax_scale=settings.softmax_scale, features=settings.features,
+            args=settings.run_args,
         )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = settings
@@ -72,7 +168,8 @@ class _AttentionFunction(torch.autograd.Function):
         s = ctx.settings
         dq, dk, dv = _launcher().run_bwd(
             prepare_dout(dout, out), q, k, v, out, lse,
-            causal=s.causal, softmax_scale=s.softmax_scale, deterministic=s.deterministic,
+            softmax_scale=s.softmax_scale, features=s.features, args=s.run_args,
+            deterministic=s.deterministic,
         )
         return dq, dk, dv, None
 

@@ -235,7 +235,7 @@ def _unused_cu_seqlens(device):
 class BwdKey:
     dtype: str  # "bf16" | "fp16"
     head_dim: int
-    causal: bool
+    features: AttnFeatures
     config: BwdConfig
     deterministic: bool = False
     arch: str = ARCH
@@ -249,28 +249,20 @@ def _fake_bwd_args(key: BwdKey):
 
     dtype = _dsl_dtype(key.dtype)
     d = key.head_dim
-    batch, heads = cute.sym_int32(symbol="batch"), cute.sym_int32(symbol="heads")
+    batch = cute.sym_int32(symbol="batch")
+    heads, heads_kv = cute.sym_int32(symbol="heads"), cute.sym_int32(symbol="heads_kv")
     seqlen_q, seqlen_k = cute.sym_int32(symbol="seqlen_q"), cute.sym_int32(symbol="seqlen_k")
-    # seqlen_q rounded up to tile_m: the padded LSE2/D rows; dQ_accum is tile-chunked
-    seqlen_q_pad = cute.sym_int32(divisibility=key.config.tile_m, symbol="seqlen_q_pad")
+    # padded query rows (whole tiles: per batch entry, or per sequence when packed)
+    rows_pad = cute.sym_int32(divisibility=key.config.tile_m, symbol="rows_pad")
     accum_len = cute.sym_int32(divisibility=key.config.tile_m * d, symbol="dq_accum_len")
 
-    def rowwise(n, name, align=4, divisibility=1):
-        # (batch, heads, n) float32, contiguous
-        return cute.runtime.make_fake_tensor(
-            cutlass.Float32, (batch, heads, n),
-            stride=(cute.sym_int64(divisibility=divisibility, symbol=f"{name}_stride0"),
-                    cute.sym_int64(divisibility=divisibility, symbol=f"{name}_stride1"), 1),
-            assumed_align=align,
-        )
-
     q, dq, o, do = (_fake_bshd(dtype, batch, seqlen_q, heads, d, n) for n in ("q", "dq", "o", "do"))
-    k, v, dk, dv = (_fake_bshd(dtype, batch, seqlen_k, heads, d, n) for n in ("k", "v", "dk", "dv"))
-    lse = rowwise(seqlen_q, "lse")
+    k, v, dk, dv = (_fake_bshd(dtype, batch, seqlen_k, heads_kv, d, n) for n in ("k", "v", "dk", "dv"))
+    lse = _fake_rowwise(batch, heads, seqlen_q, "lse")
     # 16-byte aligned chunks: the bulk copies of the main kernel need it
-    lse2 = rowwise(seqlen_q_pad, "lse2", align=16, divisibility=4)
-    dsum = rowwise(seqlen_q_pad, "dsum", align=16, divisibility=4)
-    dq_accum = rowwise(accum_len, "dq_accum", align=16, divisibility=4)
+    lse2 = _fake_rowwise(batch, heads, rows_pad, "lse2", align=16, divisibility=4)
+    dsum = _fake_rowwise(batch, heads, rows_pad, "dsum", align=16, divisibility=4)
+    dq_accum = _fake_rowwise(batch, heads, accum_len, "dq_accum", align=16, divisibility=4)
     # its own symbols: a 1-element dummy is passed when not deterministic
     semaphore = cute.runtime.make_fake_tensor(
         cutlass.Int32,
@@ -278,12 +270,15 @@ def _fake_bwd_args(key: BwdKey):
         stride=(cute.sym_int64(symbol="sem_stride0"), cute.sym_int64(symbol="sem_stride1"), 1),
         assumed_align=4,
     )
+    cu_q, cu_k = _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    scale = cutlass.Float32(1.0)
+    max_seqlen = cutlass.Int32(0)
+    scale, softcap, wl, wr = _fake_scalars()
     return (
-        (o, do, lse, lse2, dsum, stream),
-        (q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale, stream),
-        (dq_accum, dq, scale, stream),
+        (o, do, lse, lse2, dsum, cu_q, max_seqlen, stream),
+        (q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, cu_q, cu_k, max_seqlen,
+         scale, softcap, wl, wr, stream),
+        (dq_accum, dq, cu_q, max_seqlen, scale, stream),
     )
 
 
@@ -300,15 +295,15 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
             f"cute_attn's backward supports head dims {BWD_HEAD_DIMS}, got {key.head_dim}"
         )
     os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
-    dtype, cfg = _dsl_dtype(key.dtype), key.config
+    dtype, cfg, varlen = _dsl_dtype(key.dtype), key.config, key.features.varlen
     options = ("--enable-tvm-ffi " + extra_options).strip()
     pre_args, main_args, post_args = _fake_bwd_args(key)
-    pre = cute.compile(BwdPreprocess(dtype, key.head_dim, cfg.tile_m), *pre_args, options=options)
+    pre = cute.compile(BwdPreprocess(dtype, key.head_dim, cfg.tile_m, varlen), *pre_args, options=options)
     main = cute.compile(
-        FlashBwdSm90(dtype, key.head_dim, key.causal, cfg, key.deterministic), *main_args, options=options
+        FlashBwdSm90(dtype, key.head_dim, key.features, cfg, key.deterministic), *main_args, options=options
     )
     post = cute.compile(
-        BwdPostprocess(dtype, key.head_dim, cfg.tile_m, cfg.dq_warpgroups, cfg.d_slice or key.head_dim),
+        BwdPostprocess(dtype, key.head_dim, cfg.tile_m, cfg.dq_warpgroups, cfg.d_slice or key.head_dim, varlen),
         *post_args, options=options,
     )
     return pre, main, post
@@ -326,36 +321,59 @@ def run_bwd(
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
-    causal: bool,
+    causal: bool = False,
     softmax_scale: float,
+    features: Optional[AttnFeatures] = None,
+    args: Optional[RunArgs] = None,
     deterministic: bool = False,
     config: Optional[BwdConfig] = None,
 ):
     """Gradients (dq, dk, dv) of the forward that produced (out, lse), each laid out like
-    its input. dout must be TMA-addressable like q (validation.prepare_dout)."""
-    batch, seqlen_q, heads, head_dim = q.shape
+    its input. dout must be TMA-addressable like q (validation.prepare_dout). features and
+    args as for run_fwd."""
+    if features is None:
+        features = _DENSE_CAUSAL if causal else _DENSE
+    if args is None:
+        args = RunArgs(softmax_scale)
+    head_dim = q.shape[-1]
     if config is None:
-        config = choose_bwd_config(head_dim, causal)
+        config = choose_bwd_config(head_dim, features.causal_like)
     pre, main, post = get_bwd_kernels(
-        BwdKey(_TORCH_TO_DSL[q.dtype], head_dim, causal, config, bool(deterministic))
+        BwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, config, bool(deterministic))
     )
-    m_blocks = (seqlen_q + config.tile_m - 1) // config.tile_m
-    rows = m_blocks * config.tile_m
-    f32 = dict(dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((batch, heads, rows), **f32)
-    dsum = torch.empty((batch, heads, rows), **f32)
-    # bulk reduce-adds accumulate into it, so it starts at zero
-    dq_accum = torch.zeros((batch, heads, rows * head_dim), **f32)
+    tile_m = config.tile_m
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if features.varlen:
+        total_q, heads, _ = q.shape
+        batch = args.cu_seqlens_q.shape[0] - 1
+        # each sequence padded to whole query tiles (blocks/seqlen.py): room for all
+        rows = (total_q + batch * tile_m + tile_m - 1) // tile_m * tile_m
+        stats_batch = 1
+        q, k, v, out, dout, dq, dk, dv = (t[None] for t in (q, k, v, out, dout, dq, dk, dv))
+        lse = lse[None]
+        cu_q, cu_k = args.cu_seqlens_q, args.cu_seqlens_k
+    else:
+        batch, seqlen_q, heads, _ = q.shape
+        rows = (seqlen_q + tile_m - 1) // tile_m * tile_m
+        stats_batch = batch
+        cu_q = cu_k = _unused_cu_seqlens(q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((stats_batch, heads, rows), **f32)
+    dsum = torch.empty((stats_batch, heads, rows), **f32)
+    # bulk reduce-adds accumulate into it, so it starts at zero
+    dq_accum = torch.zeros((stats_batch, heads, rows * head_dim), **f32)
     if deterministic:
         # one turn counter per (batch, head, query block, head_dim slice)
         slices = head_dim // (config.d_slice or head_dim)
-        semaphore = torch.zeros((batch, heads, m_blocks * slices), dtype=torch.int32, device=q.device)
+        semaphore = torch.zeros((stats_batch, heads, rows // tile_m * slices), dtype=torch.int32, device=q.device)
     else:
         semaphore = _unused_semaphore(q.device)
-    pre(out, dout, lse, lse2, dsum)
-    main(q, k, v, dout, lse2, dsum, dq_accum, dk, dv, semaphore, softmax_scale)
-    post(dq_accum, dq, softmax_scale)
+    pre(out, dout, lse, lse2, dsum, cu_q, args.max_seqlen_q)
+    main(q, k, v, dout, lse2, dsum, dq_accum, dk, dv, semaphore, cu_q, cu_k, args.max_seqlen_k,
+         args.softmax_scale, args.softcap, args.window[0], args.window[1])
+    post(dq_accum, dq, cu_q, args.max_seqlen_q, args.softmax_scale)
+    if features.varlen:
+        dq, dk, dv = dq[0], dk[0], dv[0]
     return dq, dk, dv
 
 

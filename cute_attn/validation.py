@@ -51,7 +51,7 @@ def _plainly_valid(q, k, v, softmax_scale):
     if (dtype is not torch.bfloat16 and dtype is not torch.float16) or k.dtype is not dtype or v.dtype is not dtype:
         return False
     b, sq, h, d = qs
-    if ks[0] != b or ks[2] != h or ks[3] != d or d not in SUPPORTED_HEAD_DIMS or sq < 1 or ks[1] < 1 or b < 1 or h < 1:
+    if ks[0] != b or ks[2] < 1 or h % ks[2] or ks[3] != d or d not in SUPPORTED_HEAD_DIMS or sq < 1 or ks[1] < 1 or b < 1 or h < 1:
         return False
     for t in (q, k, v):
         s0, s1, s2, s3 = t.stride()
@@ -101,13 +101,18 @@ def validate_fwd_inputs(q, k, v, softmax_scale):
         _check_layout(name, t)
 
     _check_scale(softmax_scale)
+    _check_devices(tensors)
 
+
+def _check_devices(tensors):
+    """q, k, v (first) on one CUDA device of compute capability 9.0."""
+    q = next(iter(tensors.values()))
     for name, t in tensors.items():
         if t.device.type != "cuda":
             raise ValueError(
                 f"{name} is on {t.device}; cute_attn needs CUDA tensors on an sm_90 GPU"
             )
-    for name in ("k", "v"):
+    for name in list(tensors)[1:]:
         if tensors[name].device != q.device:
             raise ValueError(
                 f"{name} is on {tensors[name].device} but q is on {q.device}; "
@@ -141,7 +146,7 @@ def prepare_dout(dout, out):
 def _check_shapes(q, k, v):
     b, sq, h, d = q.shape
     for name, t in (("k", k), ("v", v)):
-        for axis, label in ((0, "batch"), (2, "nheads"), (3, "headdim")):
+        for axis, label in ((0, "batch"), (3, "headdim")):
             if t.shape[axis] != q.shape[axis]:
                 raise ValueError(
                     f"{name} {label} must equal q {label} ({q.shape[axis]}), got "
@@ -154,16 +159,17 @@ def _check_shapes(q, k, v):
     for name, value in (("q batch", b), ("q nheads", h), ("q seqlen", sq), ("k seqlen", k.shape[1])):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    validate_gqa_heads(q, k, v)
 
 
 def _check_layout(name, t):
     strides = t.stride()
-    if strides[3] != 1:
+    if strides[-1] != 1:
         raise ValueError(
             f"{name} must be contiguous in the last dimension, got strides {strides}; "
             "call .contiguous()"
         )
-    if any(s % _ALIGN_ELEMS for s in strides[:3]):
+    if any(s % _ALIGN_ELEMS for s in strides[:-1]):
         raise ValueError(
             f"{name} strides must be multiples of {_ALIGN_ELEMS} elements "
             f"({_ALIGN_BYTES} bytes, a TMA requirement), got strides {strides}; "
@@ -196,11 +202,39 @@ def _check_scale(softmax_scale):
 
 
 # ----------------------------------------------------------------------------------------
-# Checks for GQA/MQA, sliding windows, softcap and variable-length batches (issue 4).
-# Not called by mha yet; cute_attn.reference uses the window and softcap checks. Like the
+# Checks for GQA/MQA, sliding windows, softcap and variable-length batches. Like the
 # checks above they raise TypeError (wrong kind of thing) or ValueError (wrong value)
 # naming the argument, and never synchronise with a GPU unless asked to.
 # ----------------------------------------------------------------------------------------
+
+
+def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale):
+    """Everything mha_varlen needs before a launch: the packed shapes and cu_seqlens
+    (validate_varlen_inputs; their values only when on the CPU, so a GPU call never
+    synchronises), then dtype, head dim, TMA layout, scale, and the device checks of
+    validate_fwd_inputs, applied to (total, nheads, headdim) tensors. Returns the batch."""
+    batch = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is None:
+            raise TypeError(f"{name} must be a Python int (the longest sequence), got None")
+    tensors = dict(zip(_NAMES, (q, k, v)))
+    if q.dtype not in _DTYPES:
+        hint = "; cast with .to(torch.bfloat16) or .half()" if q.dtype == torch.float32 else ""
+        raise TypeError(f"q must be torch.float16 or torch.bfloat16, got {q.dtype}{hint}")
+    for name in ("k", "v"):
+        if tensors[name].dtype != q.dtype:
+            raise TypeError(
+                f"{name} must have the same dtype as q ({q.dtype}), got {tensors[name].dtype}"
+            )
+    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q headdim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
+    for name, t in tensors.items():
+        _check_layout(name, t)
+    _check_scale(softmax_scale)
+    _check_devices({**tensors, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    return batch
+
 
 def _is_int(value):
     # bool is an int subclass but never a meaningful size; numpy ints are Integral.

@@ -39,10 +39,25 @@ deterministic=True: the dQ writer of KV block n waits, per query block, until KV
 fp32 sums happen in one order. The CTAs of one head then run in lockstep on dQ; the cost
 is measured in perf/NOTES.md.
 
-Causal: query blocks that see no key of this tile are never loaded; only the first
-query blocks (those that straddle the diagonal) and, in the last KV tile, the keys past
-seqlen_k are masked. Keys past seqlen_k (zero-filled by TMA) must still be masked: their
-P = exp2(-LSE2) is finite but can overflow to inf, and 0 * inf would reach dQ as NaN.
+Masks (blocks/mask.py, blocks/block_range.py): query blocks that see no key of this tile
+are never loaded; only the query blocks that cut the window's right edge (the causal
+diagonal) or its left edge and, in the last KV tile, the keys past seqlen_k are masked.
+Keys past seqlen_k (zero-filled by TMA, or the next sequence's when packed) must still be
+masked: their P = exp2(-LSE2) is finite but can overflow to inf, and 0 * inf would reach dQ
+as NaN. Query rows past seqlen_q have LSE2 = +inf (the preprocess pads so), hence P = 0.
+
+GQA / MQA: a CTA owns a KV block of one KV head and walks the query blocks of every query
+head of its group (heads_q / heads_kv of them) in turn, so dK and dV are summed over the
+group in registers, with no extra pass over memory; dQ goes per query head as before.
+
+Softcap: S^T <- tanh(S^T * scale / softcap) before the mask, P from it with scale_log2 =
+softcap * log2(e), and dS^T picks up the tanh's derivative 1 - tanh^2 (folded into
+dP^T - D once both GEMMs are done, which gives up overlapping the exp2s with the dP WGMMA
+but needs no registers beyond S^T and dP^T: keeping 1 - tanh^2 spilled ~240 bytes).
+
+Varlen (blocks/seqlen.py): tiles past a sequence's keys exit at once; LSE2, D and dQ_accum
+are padded per sequence to whole query tiles; dK and dV leave row by row (not by TMA) so
+a partial tile never writes into the next sequence.
 
 Constraints: head_dim in {64, 96, 128} (at 96 warpgroup 0 alone computes dQ, see
 BwdConfig.dq_warpgroups); fp16 or bf16 in, fp32 accumulation.
@@ -56,7 +71,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
@@ -64,12 +79,12 @@ from cute_attn.blocks import epilogue, mma_sm90, semaphore
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.bulk_copy import bulk_load, bulk_reduce_add_f32
-from cute_attn.blocks.mask import AttentionMask
+from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
-from cute_attn.blocks.softmax import probs_from_lse
+from cute_attn.blocks.softmax import probs_from_lse, softcap_scores
 from cute_attn.blocks.tile_scheduler import SingleTileScheduler
 from cute_attn.blocks.tma_pipeline import make_tma_pipeline
-from cute_attn.config import BwdConfig
+from cute_attn.config import AttnFeatures, BwdConfig
 
 _PRODUCER_REGS, _MMA_REGS = 24, 240
 
@@ -90,15 +105,20 @@ def dq_accum_offset(i: int, tidx, num_threads: int):
     return (i // 2) * (2 * num_threads) + tidx * 2 + (i % 2)
 
 
+def _tma_partition_one_cta(atom, s, g):
+    """TMA partition of a 2-D tile (no multicast): (shared, global) views."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+
+
 class FlashBwdSm90:
     def __init__(
-        self, dtype: Type[cutlass.Numeric], head_dim: int, causal: bool, config: BwdConfig,
+        self, dtype: Type[cutlass.Numeric], head_dim: int, features: AttnFeatures, config: BwdConfig,
         deterministic: bool = False,
     ):
         self.dtype = dtype
         self.deterministic = deterministic
         self.head_dim = head_dim
-        self.causal = causal
+        self.features = features
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_stages = config.num_stages
@@ -114,17 +134,23 @@ class FlashBwdSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
-        mK: cute.Tensor,  # (batch, seqlen_k, heads, head_dim)
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim); varlen (1, total_q, ...)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
         mV: cute.Tensor,
-        mdO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
-        mLSE2: cute.Tensor,  # (batch, heads, seqlen_q rounded up to tile_m), float32
+        mdO: cute.Tensor,  # like mQ
+        mLSE2: cute.Tensor,  # (batch, heads, padded rows: see blocks/seqlen.py), float32
         mD: cute.Tensor,  # same shape as mLSE2
-        mdQaccum: cute.Tensor,  # (batch, heads, m_blocks * tile_m * head_dim), float32
-        mdK: cute.Tensor,  # (batch, seqlen_k, heads, head_dim)
+        mdQaccum: cute.Tensor,  # (batch, heads, padded rows * head_dim), float32
+        mdK: cute.Tensor,  # like mK
         mdV: cute.Tensor,
-        mdQsemaphore: cute.Tensor,  # (batch, heads, m_blocks) int32 zeros; deterministic only
+        mdQsemaphore: cute.Tensor,  # (batch, heads, padded m_blocks) int32; deterministic only
+        mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32; varlen only
+        mCuSeqlensK: cute.Tensor,
+        max_seqlen_k: Int32,  # varlen: the longest key sequence (sizes the grid)
         softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
         stream,
     ):
         to_sdhb = [1, 3, 2, 0]
@@ -180,14 +206,25 @@ class FlashBwdSm90:
 
         self.shared_storage = SharedStorage
 
-        num_n_blocks = cute.ceil_div(cute.size(mK.shape[0]), self.tile_n)
-        grid = SingleTileScheduler.grid(
-            num_n_blocks * self.num_d_slices, cute.size(mK.shape[2]), cute.size(mK.shape[3])
-        )
+        if cutlass.const_expr(self.features.varlen):
+            num_n_blocks = cute.ceil_div(max_seqlen_k, self.tile_n)
+            batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+        else:
+            num_n_blocks = cute.ceil_div(cute.size(mK.shape[0]), self.tile_n)
+            batch = cute.size(mK.shape[3])
+        # one CTA per (KV block, head_dim slice, KV head, batch)
+        grid = SingleTileScheduler.grid(num_n_blocks * self.num_d_slices, cute.size(mK.shape[2]), batch)
+        if cutlass.const_expr(self.features.softcap):
+            scale_log2 = softcap * math.log2(math.e)
+            softcap_pre = softmax_scale / softcap
+        else:
+            scale_log2 = softmax_scale * math.log2(math.e)
+            softcap_pre = Float32(1.0)
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE2, mD, mdQaccum, mdQsemaphore,
+            tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mdK, mdV, mLSE2, mD, mdQaccum, mdQsemaphore,
+            mCuSeqlensQ, mCuSeqlensK,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV,
-            softmax_scale, softmax_scale * math.log2(math.e),
+            softmax_scale, scale_log2, softcap_pre, window_left, window_right,
             sQ_layout, sK_layout, sdS_layout, sdKV_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -195,12 +232,16 @@ class FlashBwdSm90:
     def kernel(
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-        mdK: cute.Tensor, mdV: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor, mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,
         mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdQsemaphore: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tma_atom_dO: cute.CopyAtom, tma_atom_dK: cute.CopyAtom, tma_atom_dV: cute.CopyAtom,
         softmax_scale: Float32,
         scale_log2: Float32,
+        softcap_pre: Float32,
+        window_left: Int32,
+        window_right: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
@@ -234,32 +275,42 @@ class FlashBwdSm90:
         sdK = storage.sK.get_tensor(sdKV_layout.outer, swizzle=sdKV_layout.inner)
         sdV = storage.sV.get_tensor(sdKV_layout.outer, swizzle=sdKV_layout.inner)
 
-        seqlen = SeqlenInfo(mQ.shape[0], mK.shape[0])
         # n_block 0 sees the most query blocks under a causal mask, and grid order already
         # launches it first, so no reordering
-        scheduler = SingleTileScheduler(
-            cute.ceil_div(seqlen.seqlen_k, self.tile_n) * self.num_d_slices, longest_first=False
+        scheduler = SingleTileScheduler(longest_first=False)
+        tile = self.tile(scheduler)
+        n_block, _, head_kv, batch = tile
+        seqlen = SeqlenInfo(
+            batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.features.varlen,
+            tile_m_padded=self.tile_m,
         )
-        block_range = BlockRange(self.tile_m, self.tile_n, self.causal)
+        window = Window(self.features.mask, window_left, window_right)
+        block_range = BlockRange(self.tile_m, self.tile_n, window)
+        # GQA: the query heads head_kv * group + [0, group) share this KV head
+        group = mQ.shape[2] // mK.shape[2]
         pipeline_init_wait()
 
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
-            if warp_idx == 0:
-                self.produce(
-                    mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE2, sD,
-                    tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
-                    pipeline_kv, pipeline_q, pipeline_do, scheduler, block_range, seqlen,
+        # varlen: the grid covers the longest key sequence; a tile past this one's end
+        # has no keys (uniform across the CTA)
+        if not self.features.varlen or n_block * self.tile_n < seqlen.seqlen_k:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+                if warp_idx == 0:
+                    self.produce(
+                        mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE2, sD,
+                        tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
+                        pipeline_kv, pipeline_q, pipeline_do, tile, group, block_range, seqlen,
+                    )
+                if warp_idx == 1:
+                    self.write_dq(mdQaccum, mdQsemaphore, sdQ, tile, group, block_range, seqlen)
+            else:
+                cute.arch.setmaxregister_increase(_MMA_REGS)
+                self.consume(
+                    mdK, mdV, mdK_rows, mdV_rows, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, sdK, sdV,
+                    tma_atom_dK, tma_atom_dV, pipeline_kv, pipeline_q, pipeline_do,
+                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tile, group, block_range, seqlen,
+                    window, softmax_scale, scale_log2, softcap_pre, tidx - 128,
                 )
-            if warp_idx == 1:
-                self.write_dq(mdQaccum, mdQsemaphore, sdQ, scheduler, block_range, seqlen)
-        else:
-            cute.arch.setmaxregister_increase(_MMA_REGS)
-            self.consume(
-                mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, sdK, sdV, tma_atom_dK, tma_atom_dV,
-                pipeline_kv, pipeline_q, pipeline_do, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                scheduler, block_range, seqlen, softmax_scale, scale_log2, tidx - 128,
-            )
 
     # ------------------------------------------------------------------------------------
     # Producer warp: TMA loads
@@ -268,26 +319,18 @@ class FlashBwdSm90:
     def produce(
         self, mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE2, sD,
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
-        pipeline_kv, pipeline_q, pipeline_do, scheduler, block_range, seqlen,
+        pipeline_kv, pipeline_q, pipeline_do, tile, group, block_range, seqlen,
     ):
-        n_block, _, head, batch = self.tile(scheduler)
+        n_block, _, head_kv, _ = tile
         d = self.head_dim
-        one_cta = cute.make_layout(1)
-
-        def partition(atom, s, g):
-            return cpasync.tma_partition(atom, 0, one_cta, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
-
-        gK = cute.local_tile(mK[None, None, head, batch], (self.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head, batch], (self.tile_n, d), (n_block, 0))
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+        partition = _tma_partition_one_cta
+        gK = cute.local_tile(seqlen.rows_k(mK, head_kv), (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(seqlen.rows_k(mV, head_kv), (self.tile_n, d), (n_block, 0))
         tKsK, tKgK = partition(tma_atom_K, sK, gK)
         tVsV, tVgV = partition(tma_atom_V, sV, gV)
-        tQsQ, tQgQ = partition(tma_atom_Q, sQ, gQ)
-        tdOsdO, tdOgdO = partition(tma_atom_dO, sdO, gdO)
-        gLSE2 = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (None,))
-        gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (None,))
         stats_bytes = self.tile_m * 4
+        # the padded per-row statistics: this sequence's query blocks start here
+        stats_block0 = seqlen.padded_m_block_offset
         lane = cute.arch.lane_idx()
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -298,44 +341,58 @@ class FlashBwdSm90:
 
         m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            pipeline_q.producer_acquire(state)
-            bar = pipeline_q.producer_get_barrier(state)
-            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-            # one lane: every lane's copy would complete the barrier's bytes again
-            if lane == 0:
-                bulk_load(gLSE2[None, m_block].iterator, sLSE2[None, state.index].iterator, bar, stats_bytes)
-            pipeline_do.producer_acquire(state)
-            bar = pipeline_do.producer_get_barrier(state)
-            cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-            if lane == 0:
-                bulk_load(gD[None, m_block].iterator, sD[None, state.index].iterator, bar, stats_bytes)
-            state.advance()
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gQ = cute.local_tile(seqlen.rows_q(mQ, head), (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(seqlen.rows_q(mdO, head), (self.tile_m, d), (None, 0))
+            tQsQ, tQgQ = partition(tma_atom_Q, sQ, gQ)
+            tdOsdO, tdOgdO = partition(tma_atom_dO, sdO, gdO)
+            gLSE2 = cute.local_tile(mLSE2[None, head, seqlen.batch], (self.tile_m,), (None,))
+            gD = cute.local_tile(mD[None, head, seqlen.batch], (self.tile_m,), (None,))
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                pipeline_q.producer_acquire(state)
+                bar = pipeline_q.producer_get_barrier(state)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                # one lane: every lane's copy would complete the barrier's bytes again
+                if lane == 0:
+                    bulk_load(gLSE2[None, stats_block0 + m_block].iterator, sLSE2[None, state.index].iterator, bar, stats_bytes)
+                pipeline_do.producer_acquire(state)
+                bar = pipeline_do.producer_get_barrier(state)
+                cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+                if lane == 0:
+                    bulk_load(gD[None, stats_block0 + m_block].iterator, sD[None, state.index].iterator, bar, stats_bytes)
+                state.advance()
 
     # ------------------------------------------------------------------------------------
     # dQ writer warp: adds each query block's dQ tile into dQ_accum
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def write_dq(self, mdQaccum, mdQsemaphore, sdQ, scheduler, block_range, seqlen):
-        n_block, d_block, head, batch = self.tile(scheduler)
+    def write_dq(self, mdQaccum, mdQsemaphore, sdQ, tile, group, block_range, seqlen):
+        n_block, d_block, head_kv, _ = tile
         chunk = self.tile_m * self.d_slice
-        gdQaccum = cute.local_tile(mdQaccum[None, head, batch], (chunk,), (None,))
         m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
+        num_m_blocks = m_block_max - m_block_min
         barrier_threads = self.num_mma_threads + 32
         lane = cute.arch.lane_idx()
-        if m_block_max > m_block_min:
+        if num_m_blocks > 0:
             # sdQ (and sdS) start out free
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+        # the consumers' order: every query block of the group's first head, then the next
+        for it in cutlass.range(group * num_m_blocks, unroll=1):
+            head = head_kv * group + it // num_m_blocks
+            m_block = m_block_min + it % num_m_blocks
             cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
-            # dQ_accum chunks: query block major, head_dim slice minor
-            tile_idx = m_block * self.num_d_slices + d_block
+            # dQ_accum chunks: query block major (padded per sequence), head_dim slice minor
+            tile_idx = (seqlen.padded_m_block_offset + m_block) * self.num_d_slices + d_block
+            gdQaccum = cute.local_tile(mdQaccum[None, head, seqlen.batch], (chunk,), (None,))
             if lane == 0:
                 if cutlass.const_expr(self.deterministic):
-                    # KV blocks add into a dQ tile in increasing n_block order: the ones
-                    # that visit a query block are always a prefix 0..k (see BlockRange)
-                    turn_ptr = mdQsemaphore[None, head, batch].iterator + tile_idx
-                    semaphore.wait_turn(turn_ptr, n_block)
+                    # KV blocks add into a dQ tile in increasing n_block order; the ones
+                    # that visit a query block are a contiguous range from the forward's
+                    # n_block_min (0 unless a sliding window bounds the left side)
+                    turn_ptr = mdQsemaphore[None, head, seqlen.batch].iterator + tile_idx
+                    first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
+                    semaphore.wait_turn(turn_ptr, n_block - first_n_block)
                 bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
                 cute.arch.cp_async_bulk_commit_group()
                 if cutlass.const_expr(self.deterministic):
@@ -343,7 +400,7 @@ class FlashBwdSm90:
                     semaphore.pass_turn(turn_ptr)
                 else:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if m_block + 1 < m_block_max:
+            if it + 1 < group * num_m_blocks:
                 cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -353,9 +410,10 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, sdK, sdV, tma_atom_dK, tma_atom_dV,
-        pipeline_kv, pipeline_q, pipeline_do, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-        scheduler, block_range, seqlen, softmax_scale, scale_log2, tidx,
+        self, mdK, mdV, mdK_rows, mdV_rows, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, sdK, sdV,
+        tma_atom_dK, tma_atom_dV, pipeline_kv, pipeline_q, pipeline_do,
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tile, group, block_range, seqlen,
+        window, softmax_scale, scale_log2, softcap_pre, tidx,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
@@ -368,7 +426,7 @@ class FlashBwdSm90:
         tSrQ = wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sQ))
         tdPrV = wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sV))
         tdPrdO = wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sdO))
-        n_block, d_block, head, batch = self.tile(scheduler)
+        n_block, d_block, head_kv, _ = tile
         # B operands of dV, dK and dQ: this CTA's head_dim slice of dO^T, Q^T and K^T
         tdVrdO = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(sdO), d_block)))
         tdKrQ = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(sQ), d_block)))
@@ -380,33 +438,36 @@ class FlashBwdSm90:
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
 
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, self.causal)
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window)
         m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
-        # masked steps: the query blocks crossing the diagonal, or all of them in the KV
-        # tile that runs past seqlen_k
-        m_block_masked_end = m_block_min
-        if cutlass.const_expr(self.causal):
-            m_block_masked_end = block_range.m_block_max_causal_mask(seqlen, n_block, m_block_min, m_block_max)
+        # masked steps: the query blocks cutting the window's right edge (the diagonal),
+        # then unmasked ones, then those cutting its left edge; all of them in the KV tile
+        # that runs past seqlen_k
+        right_end = block_range.m_block_right_mask_end(seqlen, n_block, m_block_min, m_block_max)
         if (n_block + 1) * self.tile_n > seqlen.seqlen_k:
-            m_block_masked_end = m_block_max
+            right_end = m_block_max
+        left_start = block_range.m_block_left_mask_start(seqlen, n_block, right_end, m_block_max)
 
         pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         operands = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK)
-        for m_block in cutlass.range(m_block_min, m_block_masked_end, unroll=1):
-            self.step(
-                m_block, n_block, state, operands, acc_dV, acc_dK, sdS, sLSE2, sD, sdQ,
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_q, pipeline_do, mask,
-                scale_log2, tidx, masked=True,
-            )
-            state.advance()
-        for m_block in cutlass.range(m_block_masked_end, m_block_max, unroll=1):
-            self.step(
-                m_block, n_block, state, operands, acc_dV, acc_dK, sdS, sLSE2, sD, sdQ,
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_q, pipeline_do, mask,
-                scale_log2, tidx, masked=False,
-            )
-            state.advance()
+        step_args = (
+            n_block, operands, acc_dV, acc_dK, sdS, sLSE2, sD, sdQ,
+            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_q, pipeline_do, mask,
+            scale_log2, softcap_pre, tidx,
+        )
+        # dK and dV sum over the group's query heads right here, in the accumulators
+        for _g in cutlass.range(group, unroll=1):
+            for m_block in cutlass.range(m_block_min, right_end, unroll=1):
+                self.step(m_block, state, *step_args, masked=True)
+                state.advance()
+            for m_block in cutlass.range(right_end, left_start, unroll=1):
+                self.step(m_block, state, *step_args, masked=False)
+                state.advance()
+            if cutlass.const_expr(window.has_left):
+                for m_block in cutlass.range(left_start, m_block_max, unroll=1):
+                    self.step(m_block, state, *step_args, masked=True)
+                    state.advance()
 
         # Epilogue: dV and dK leave through sV and sK, which every warpgroup must be done
         # reading (its last dP and dQ WGMMAs) before they are overwritten.
@@ -415,16 +476,23 @@ class FlashBwdSm90:
         epilogue.acc_to_smem(acc_dK, sdK, tiled_mma_dkv, tidx, self.dtype, scale=softmax_scale)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
-        if tidx // 32 == 0:
-            tile = (self.tile_n, self.d_slice)
-            gdV = cute.local_tile(mdV[None, None, head, batch], tile, (n_block, d_block))
-            gdK = cute.local_tile(mdK[None, None, head, batch], tile, (n_block, d_block))
-            epilogue.tma_store_tile(tma_atom_dV, sdV, gdV)
-            epilogue.tma_store_tile(tma_atom_dK, sdK, gdK)
+        dkv_tile = (self.tile_n, self.d_slice)
+        if cutlass.const_expr(self.features.varlen):
+            gdV = cute.local_tile(seqlen.rows_k(mdV_rows, head_kv), dkv_tile, (n_block, d_block))
+            gdK = cute.local_tile(seqlen.rows_k(mdK_rows, head_kv), dkv_tile, (n_block, d_block))
+            keys_left = seqlen.seqlen_k - n_block * self.tile_n
+            epilogue.store_rows(sdV, gdV, keys_left, tidx, self.num_mma_threads)
+            epilogue.store_rows(sdK, gdK, keys_left, tidx, self.num_mma_threads)
+        else:
+            if tidx // 32 == 0:
+                gdV = cute.local_tile(seqlen.rows_k(mdV, head_kv), dkv_tile, (n_block, d_block))
+                gdK = cute.local_tile(seqlen.rows_k(mdK, head_kv), dkv_tile, (n_block, d_block))
+                epilogue.tma_store_tile(tma_atom_dV, sdV, gdV)
+                epilogue.tma_store_tile(tma_atom_dK, sdK, gdK)
 
     @cute.jit
     def tile(self, scheduler):
-        """(n_block, d_block, head, batch) of this CTA: grid x enumerates KV blocks, and
+        """(n_block, d_block, head_kv, batch) of this CTA: grid x enumerates KV blocks, and
         within each, the head_dim slices of dK/dV/dQ it is split into (1 below hdim 192)."""
         bid, head, batch = scheduler.tile()
         return bid // self.num_d_slices, bid % self.num_d_slices, head, batch
@@ -438,9 +506,9 @@ class FlashBwdSm90:
 
     @cute.jit
     def step(
-        self, m_block, n_block, state, operands, acc_dV, acc_dK, sdS, sLSE2, sD, sdQ,
+        self, m_block, state, n_block, operands, acc_dV, acc_dK, sdS, sLSE2, sD, sdQ,
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_q, pipeline_do, mask,
-        scale_log2, tidx, masked: cutlass.Constexpr[bool],
+        scale_log2, softcap_pre, tidx, masked: cutlass.Constexpr[bool],
     ):
         """One query block: the five GEMMs for this CTA's keys."""
         tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK = operands
@@ -470,17 +538,30 @@ class FlashBwdSm90:
             lse2[c] = sLSE2[cols[0, c][1], stage]
             dsum[c] = sD[cols[0, c][1], stage]
 
-        warpgroup.wait_group(1)
-        if cutlass.const_expr(masked):
-            mask.apply(acc_S, tScS, m_block, n_block, mask_causal=True, keys_on_rows=True)
-        probs_from_lse(acc_S, lse2, scale_log2)
-        warpgroup.wait_group(0)
-        # dS^T = P^T * (dP^T - D)
         P = mma_sm90.acc_as_rows_cols(acc_S)
         dS = mma_sm90.acc_as_rows_cols(acc_dP)
-        for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
-            for c in cutlass.range_constexpr(num_cols):
-                dS[r, c] = P[r, c] * (dS[r, c] - dsum[c])
+        warpgroup.wait_group(1)
+        if cutlass.const_expr(self.features.softcap):
+            softcap_scores(acc_S, softcap_pre)
+            warpgroup.wait_group(0)
+            # fold the tanh's derivative 1 - tanh^2 into dP^T - D while S^T still holds the
+            # tanh values (the mask turns them into -inf); no extra registers that way
+            for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
+                for c in cutlass.range_constexpr(num_cols):
+                    dS[r, c] = (dS[r, c] - dsum[c]) * (1.0 - P[r, c] * P[r, c])
+        if cutlass.const_expr(masked):
+            mask.apply(acc_S, tScS, m_block, n_block, keys_on_rows=True)
+        probs_from_lse(acc_S, lse2, scale_log2)
+        # dS^T = P^T * (dP^T - D) (* the softcap's derivative, folded in above)
+        if cutlass.const_expr(self.features.softcap):
+            for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
+                for c in cutlass.range_constexpr(num_cols):
+                    dS[r, c] = P[r, c] * dS[r, c]
+        else:
+            warpgroup.wait_group(0)
+            for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
+                for c in cutlass.range_constexpr(num_cols):
+                    dS[r, c] = P[r, c] * (dS[r, c] - dsum[c])
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
