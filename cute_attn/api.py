@@ -56,10 +56,6 @@ def mha(q, k, v, *, causal=False, softmax_scale=None, window_size=_NO_WINDOW, so
     validate_fwd_inputs(q, k, v, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[3] ** -0.5
     features, run_args = _features_and_args(causal, window_size, softcap, scale)
-    if features is None:
-        # the common case keeps the shortest host path
-        features = _CAUSAL if causal else _DENSE
-        run_args = None
     return _run(q, k, v, features, run_args, scale, deterministic, return_lse)
 
 
@@ -101,9 +97,9 @@ _CAUSAL = AttnFeatures(mask="causal")
 
 
 def _features_and_args(causal, window_size, softcap, scale, varlen=None):
-    """(AttnFeatures, launcher.RunArgs) of a call, or (None, None) for plain dense
-    attention (causal or not). A window equal to causal becomes causal; -1 sides become
-    config.UNBOUNDED."""
+    """(AttnFeatures, launcher.RunArgs) of a call; RunArgs is None for plain attention
+    (causal or not), which keeps the common case on the shortest host path. A window
+    equal to causal becomes causal; -1 sides become config.UNBOUNDED."""
     if window_size is _NO_WINDOW:
         left = right = -1  # the default: skip the checks on the hot path
     else:
@@ -118,7 +114,7 @@ def _features_and_args(causal, window_size, softcap, scale, varlen=None):
     else:
         mask = "local"
     if mask != "local" and softcap == 0.0 and varlen is None:
-        return None, None
+        return (_CAUSAL if mask == "causal" else _DENSE), None
     window = (UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)
     features = AttnFeatures(mask=mask, softcap=softcap > 0, varlen=varlen is not None)
     if varlen is None:

@@ -7,24 +7,40 @@ import torch
 
 import cute_attn
 import cute_attn.api as api
+from cute_attn.config import UNBOUNDED
 from cute_attn.reference import attention_ref
 from cute_attn.validation import prepare_dout
+
+
+def _ref_kwargs(causal, softmax_scale, features, args):
+    """attention_ref's keywords for what the launcher was asked to compute."""
+    if features is None or args is None:
+        causal = causal or (features is not None and features.mask == "causal")
+        return dict(causal=causal, softmax_scale=softmax_scale, window_size=(-1, -1), softcap=0.0)
+    left, right = (-1 if w == UNBOUNDED else w for w in args.window)
+    window = (left, right) if features.mask == "local" else (-1, -1)
+    return dict(causal=features.mask == "causal", softmax_scale=args.softmax_scale,
+                window_size=window, softcap=args.softcap)
 
 
 class FakeLauncher:
     def __init__(self):
         self.bwd_calls = []
 
-    def run_fwd(self, q, k, v, *, causal, softmax_scale):
-        out, lse = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    def run_fwd(self, q, k, v, *, causal=False, softmax_scale, features=None, args=None):
+        kwargs = _ref_kwargs(causal, softmax_scale, features, args)
+        out, lse = attention_ref(q, k, v, **kwargs)
         return out.to(q.dtype), lse
 
-    def run_bwd(self, dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic):
-        self.bwd_calls.append(dict(dout=dout, out=out, lse=lse, causal=causal,
-                                   softmax_scale=softmax_scale, deterministic=deterministic))
+    def run_bwd(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale, features=None,
+                args=None, deterministic):
+        kwargs = _ref_kwargs(causal, softmax_scale, features, args)
+        self.bwd_calls.append(dict(dout=dout, out=out, lse=lse, causal=kwargs["causal"],
+                                   softmax_scale=softmax_scale, deterministic=deterministic,
+                                   kwargs=kwargs))
         with torch.enable_grad():
             q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
-            o, _ = attention_ref(q2, k2, v2, causal=causal, softmax_scale=softmax_scale)
+            o, _ = attention_ref(q2, k2, v2, **kwargs)
             grads = torch.autograd.grad(o, (q2, k2, v2), dout.float())
         return tuple(g.to(q.dtype) for g in grads)
 
@@ -97,3 +113,27 @@ def test_dout_that_does_not_match_out_is_rejected():
         prepare_dout(torch.zeros(2, 5, 3, 32, dtype=torch.bfloat16), out)
     ok = torch.zeros(2, 5, 3, 64, dtype=torch.bfloat16)
     assert prepare_dout(ok, out) is ok  # already TMA-addressable: no copy
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(window_size=(3, 0)), dict(causal=False, window_size=(3, 0), softcap=0.0)),
+    (dict(window_size=(3, 5), causal=True), dict(causal=False, window_size=(3, 0), softcap=0.0)),
+    (dict(window_size=(-1, 0)), dict(causal=True, window_size=(-1, -1), softcap=0.0)),
+    (dict(softcap=5.0, causal=True), dict(causal=True, window_size=(-1, -1), softcap=5.0)),
+    (dict(window_size=(-1, 2), softcap=2), dict(causal=False, window_size=(-1, 2), softcap=2.0)),
+])
+def test_window_and_softcap_reach_the_backward(fake, kwargs, expected):
+    """The features of the call travel through autograd to the backward unchanged; a
+    window that is causal becomes the causal kernel, causal clips the window's right."""
+    q, k, v = _inputs()
+    out = cute_attn.mha(q, k, v, softmax_scale=0.3, **kwargs)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (call,) = fake.bwd_calls
+    assert call["kwargs"] == dict(expected, softmax_scale=0.3)
+    q_ref, k_ref, v_ref = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o_ref, _ = attention_ref(q_ref, k_ref, v_ref, softmax_scale=0.3, **expected)
+    o_ref.backward(dout)
+    torch.testing.assert_close(out, o_ref)
+    for g, g_ref in zip((q.grad, k.grad, v.grad), (q_ref.grad, k_ref.grad, v_ref.grad)):
+        torch.testing.assert_close(g, g_ref)

@@ -94,15 +94,36 @@ def test_mixed_dtypes(name):
 
 
 @pytest.mark.parametrize("name", ["k", "v"])
-@pytest.mark.parametrize("axis, label", [(0, "batch"), (2, "nheads"), (3, "headdim")])
+@pytest.mark.parametrize("axis, label", [(0, "batch"), (3, "headdim")])
 def test_mismatched_dims(name, axis, label):
     qkv = _qkv(b=2, h=4, d=64)
     shape = list(dict(zip("qkv", qkv))[name].shape)
-    shape[axis] = {0: 3, 2: 2, 3: 128}[axis]
+    shape[axis] = {0: 3, 3: 128}[axis]
     bad = torch.zeros(shape, dtype=torch.bfloat16)
     q_size = qkv[0].shape[axis]
     with pytest.raises(ValueError, match=rf"{name} {label} must equal q {label} \({q_size}\), got {shape[axis]}"):
         validate_fwd_inputs(*_replace(qkv, name, bad), None)
+
+
+@pytest.mark.parametrize("h_k, h_v, msg", [
+    (3, 3, r"k nheads must divide q nheads \(4\): .*GQA/MQA\), got 3"),
+    (2, 4, r"v nheads must equal k nheads \(2\), got 4"),
+    (4, 2, r"v nheads must equal k nheads \(4\), got 2"),
+])
+def test_gqa_head_counts_rejected(h_k, h_v, msg):
+    q, _, _ = _qkv(b=2, h=4, d=64)
+    k = torch.zeros(2, 24, h_k, 64, dtype=torch.bfloat16)
+    v = torch.zeros(2, 24, h_v, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=msg):
+        validate_fwd_inputs(q, k, v, None)
+
+
+@pytest.mark.parametrize("h_kv", [1, 2, 4])
+def test_gqa_head_counts_reach_device_check(h_kv):
+    q, _, _ = _qkv(b=2, h=4, d=64)
+    k = v = torch.zeros(2, 24, h_kv, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        validate_fwd_inputs(q, k, v, None)
 
 
 def test_kv_seqlen_mismatch():
