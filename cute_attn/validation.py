@@ -138,7 +138,7 @@ def prepare_dout(dout, out):
             f"{out.device}); got dtype {dout.dtype}, shape {tuple(dout.shape)}, device {dout.device}"
         )
     strides = dout.stride()
-    if strides[3] != 1 or any(s % _ALIGN_ELEMS for s in strides[:3]) or dout.data_ptr() % _ALIGN_BYTES:
+    if strides[-1] != 1 or any(s % _ALIGN_ELEMS for s in strides[:-1]) or dout.data_ptr() % _ALIGN_BYTES:
         dout = dout.clone(memory_format=torch.contiguous_format)
     return dout
 
