@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from cute_attn.config import MASK_KINDS, AttnFeatures
 from cute_attn.validation import SUPPORTED_HEAD_DIMS
 
 
@@ -14,17 +15,25 @@ def main(argv=None) -> int:
                    help="bwd: the preprocess, main and postprocess kernels of the backward")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--headdim", type=int, choices=SUPPORTED_HEAD_DIMS, default=128)
-    p.add_argument("--causal", action="store_true")
+    p.add_argument("--causal", action="store_true", help="same as --mask causal")
+    p.add_argument("--mask", choices=MASK_KINDS, default=None,
+                   help="none, causal, or local (sliding window; its sizes are run-time)")
+    p.add_argument("--softcap", action="store_true", help="the logit-softcap specialisation")
+    p.add_argument("--varlen", action="store_true", help="the packed variable-length one")
     p.add_argument("--out", help="write the PTX here instead of stdout")
     p.add_argument("--sass", action="store_true", help="also print SASS (needs cuobjdump)")
     args = parser.parse_args(argv)
 
     from cute_attn import ptx
 
+    mask = args.mask or ("causal" if args.causal else "none")
+    if args.causal and mask != "causal":
+        parser.error(f"--causal contradicts --mask {mask}")
+    features = AttnFeatures(mask=mask, softcap=args.softcap, varlen=args.varlen)
     if args.kernel == "fwd":
-        arts = {"forward": ptx.compile_fwd_artifacts(args.dtype, args.headdim, args.causal)}
+        arts = {"forward": ptx.compile_fwd_artifacts(args.dtype, args.headdim, features=features)}
     else:
-        arts = ptx.compile_bwd_artifacts(args.dtype, args.headdim, args.causal)
+        arts = ptx.compile_bwd_artifacts(args.dtype, args.headdim, features=features)
     text = "".join(f"// ===== {name} =====\n{art.ptx}" for name, art in arts.items())
     if args.out:
         with open(args.out, "w") as f:

@@ -53,9 +53,10 @@ def mha(q, k, v, *, causal=False, softmax_scale=None, window_size=_NO_WINDOW, so
 
     Raises TypeError/ValueError naming the bad argument before any kernel runs.
     """
+    window, softcap = _window_and_softcap(window_size, softcap)
     validate_fwd_inputs(q, k, v, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[3] ** -0.5
-    features, run_args = _features_and_args(causal, window_size, softcap, scale)
+    features, run_args = _features_and_args(causal, window, softcap, scale)
     return _run(q, k, v, features, run_args, scale, deterministic, return_lse)
 
 
@@ -83,11 +84,12 @@ def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     The kernels take cu_seqlens and max_seqlen at run time: a new batch of lengths
     never recompiles.
     """
+    window, softcap = _window_and_softcap(window_size, softcap)
     validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     features, run_args = _features_and_args(
-        causal, window_size, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        causal, window, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     )
     return _run(q, k, v, features, run_args, scale, deterministic, return_lse)
 
@@ -96,15 +98,21 @@ _DENSE = AttnFeatures()
 _CAUSAL = AttnFeatures(mask="causal")
 
 
-def _features_and_args(causal, window_size, softcap, scale, varlen=None):
+def _window_and_softcap(window_size, softcap):
+    """Checked (left, right) and softcap, before the tensor checks reach the device: the
+    defaults skip the checks, so the common call pays nothing."""
+    if window_size is not _NO_WINDOW:
+        window_size = validate_window_size(window_size)
+    if not (softcap == 0.0 and type(softcap) is float):
+        softcap = validate_softcap(softcap)
+    return window_size, softcap
+
+
+def _features_and_args(causal, window, softcap, scale, varlen=None):
     """(AttnFeatures, launcher.RunArgs) of a call; RunArgs is None for plain attention
     (causal or not), which keeps the common case on the shortest host path. A window
     equal to causal becomes causal; -1 sides become config.UNBOUNDED."""
-    if window_size is _NO_WINDOW:
-        left = right = -1  # the default: skip the checks on the hot path
-    else:
-        left, right = validate_window_size(window_size)
-    softcap = 0.0 if softcap == 0.0 and type(softcap) is float else validate_softcap(softcap)
+    left, right = window
     if causal:
         right = 0
     if left < 0 and right < 0:

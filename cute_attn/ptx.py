@@ -1,7 +1,8 @@
 """Compile a kernel specialisation for sm_90a on any machine (no GPU needed) and return
 its PTX, its cubin and what ptxas says about it (registers, spills, ignored setmaxnreg).
 
-    python -m cute_attn ptx [--kernel fwd|bwd] --dtype bf16 --headdim 128 [--causal]
+    python -m cute_attn ptx [--kernel fwd|bwd] --dtype bf16 --headdim 128
+                            [--causal | --mask none|causal|local] [--softcap] [--varlen]
                             [--out FILE] [--sass]
 
 The backward is three kernels (preprocess, main, postprocess); each gets its own PTX and

@@ -78,12 +78,14 @@ def host_breakdown(dtype):
     q, k, v = bench.random_qkv(1, 128, 16, 128, dtype)
     out, lse = launcher.run_fwd(q, k, v, causal=True, softmax_scale=128**-0.5)
     fn = launcher.get_fwd_kernel(
-        launcher.FwdKey(launcher._TORCH_TO_DSL[dtype], 128, True, launcher.choose_fwd_config(128, True))
+        launcher.FwdKey(launcher._TORCH_TO_DSL[dtype], 128, launcher.AttnFeatures(mask="causal"),
+                        launcher.choose_fwd_config(128, True))
     )
+    cu = launcher._unused_cu_seqlens(q.device)
     pieces = {
         "validate_fwd_inputs": lambda: validation.validate_fwd_inputs(q, k, v, None),
         "alloc out+lse": lambda: (torch.empty_like(q), torch.empty((1, 16, 128), dtype=torch.float32, device=q.device)),
-        "compiled kernel call": lambda: fn(q, k, v, out, lse, 0.088),
+        "compiled kernel call": lambda: fn(q, k, v, out, lse, cu, cu, 0, 0.088, 0.0, 0, 0),
         "launcher.run_fwd": lambda: launcher.run_fwd(q, k, v, causal=True, softmax_scale=0.088),
         "cute_attn.mha": lambda: cute_attn.mha(q, k, v, causal=True),
     }

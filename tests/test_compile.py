@@ -118,9 +118,10 @@ def test_backward_has_no_register_spills(compiled_bwd, head_dim):
 
 def test_deterministic_backward_orders_dq_with_turn_counters():
     from cute_attn import launcher
-    from cute_attn.config import choose_bwd_config
+    from cute_attn.config import AttnFeatures, choose_bwd_config
 
-    key = launcher.BwdKey("bf16", 128, True, choose_bwd_config(128, True), deterministic=True)
+    causal = AttnFeatures(mask="causal")
+    key = launcher.BwdKey("bf16", 128, causal, choose_bwd_config(128, True), deterministic=True)
     main = launcher.compile_bwd(key, "--keep-ptx")[1]
     text = main.__ptx__
     assert "ld.acquire.gpu.global" in text and "red.release.gpu.global.add" in text
@@ -136,3 +137,79 @@ def test_cli_prints_backward_ptx(tmp_path, capsys):
         assert f"// ===== {name} =====" in text
     assert text.count(".entry") == 3
     assert "BwdKey" in capsys.readouterr().err
+
+
+# ---- the feature specialisations: sliding window, softcap, varlen (GQA needs none) ----
+
+from cute_attn.config import AttnFeatures  # noqa: E402
+
+FEATURES = [
+    AttnFeatures(mask="local"),
+    AttnFeatures(softcap=True),
+    AttnFeatures(varlen=True),
+    AttnFeatures(mask="causal", varlen=True),
+    AttnFeatures(mask="local", softcap=True, varlen=True),
+]
+
+
+def _features_id(f):
+    return "-".join([f.mask] + [name for name in ("softcap", "varlen") if getattr(f, name)])
+
+
+@pytest.fixture(scope="module")
+def compiled_features():
+    cache = {}
+
+    def get(kind, head_dim, features):
+        key = (kind, head_dim, features)
+        if key not in cache:
+            fn = ptx_tool.compile_fwd_artifacts if kind == "fwd" else ptx_tool.compile_bwd_artifacts
+            cache[key] = fn("bf16", head_dim, features=features)
+        return cache[key]
+
+    return get
+
+
+def _check_feature_ptx(text, features):
+    assert ".target sm_90a" in text and "wgmma.mma_async" in text
+    assert "setmaxnreg.inc" in text and "mbarrier.try_wait" in text
+    # softcap: one tanh per score, the hardware approximation
+    assert ("tanh.approx.f32" in text) == features.softcap
+    if features.varlen:
+        # cu_seqlens are read from global memory; outputs leave row by row, 16 B each
+        assert "st.global.v4" in text
+
+
+@pytest.mark.parametrize("features", FEATURES, ids=_features_id)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_forward_feature_specialisations_compile(compiled_features, head_dim, features):
+    art = compiled_features("fwd", head_dim, features)
+    _check_feature_ptx(art.ptx, features)
+    assert "C7508" not in art.ptxas_report
+    if features.varlen:
+        # the O tile is stored row by row, so the only bulk tensor copies are loads
+        assert "cp.async.bulk.tensor.4d.shared::cta.global" in art.ptx
+        assert "cp.async.bulk.tensor.4d.global.shared::cta" not in art.ptx
+    if "ptxas not found" not in art.ptxas_report:
+        m = re.search(r"(\d+) bytes spill stores", art.ptxas_report)
+        assert m and int(m.group(1)) == 0, art.ptxas_report
+
+
+@pytest.mark.parametrize("features", FEATURES, ids=_features_id)
+def test_backward_feature_specialisations_compile(compiled_features, features):
+    arts = compiled_features("bwd", 128, features)
+    _check_feature_ptx(arts["main"].ptx, features)
+    for name, art in arts.items():
+        assert "C7508" not in art.ptxas_report, name
+
+
+def test_cli_prints_feature_specialisations(tmp_path, capsys):
+    from cute_attn.__main__ import main
+
+    out = tmp_path / "k.ptx"
+    argv = ["ptx", "--headdim", "128", "--mask", "local", "--softcap", "--varlen", "--out", str(out)]
+    assert main(argv) == 0
+    assert "tanh.approx.f32" in out.read_text()
+    assert "mask='local', softcap=True, varlen=True" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["ptx", "--causal", "--mask", "local"])
