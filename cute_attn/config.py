@@ -58,10 +58,15 @@ class FwdConfig:
             raise ValueError(f"tile_n must be a multiple of 16, got {self.tile_n}")
 
 
-def choose_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
+def choose_fwd_config(head_dim: int, causal: bool, local: bool = False) -> FwdConfig:
     """The forward tile shape per head dim (FlashAttention-3's choices as a starting point;
-    perf/NOTES.md records what was measured here)."""
+    perf/NOTES.md records what was measured here). causal: any mask that bounds the right
+    side (causal or a sliding window); local: a sliding window."""
     if head_dim <= 64:
+        if local:
+            # three consumer warpgroups have 160 registers each: the window's two-sided
+            # mask and its third loop spilled 272 bytes there (ptxas); two do not spill
+            return FwdConfig(tile_m=128, tile_n=128, num_stages=2)
         return FwdConfig(tile_m=192, tile_n=128, num_stages=2)
     if head_dim <= 128:
         # Causal without ping-pong measured equal or better at hdim 128 in four same-process

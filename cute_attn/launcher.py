@@ -193,7 +193,7 @@ def run_fwd(
     if config is None:
         fn = _default_kernels.get((q.dtype, head_dim, features))
         if fn is None:
-            cfg = choose_fwd_config(head_dim, features.causal_like)
+            cfg = choose_fwd_config(head_dim, features.causal_like, features.mask == "local")
             fn = get_fwd_kernel(FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, cfg))
             fn = _default_kernels.setdefault((q.dtype, head_dim, features), fn)
     else:

@@ -45,7 +45,8 @@ def compile_fwd_artifacts(
     """features (mask kind, softcap, varlen) overrides causal when given."""
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     features = _features(causal, features)
-    key = FwdKey(dtype, head_dim, features, choose_fwd_config(head_dim, features.causal_like))
+    cfg = choose_fwd_config(head_dim, features.causal_like, features.mask == "local")
+    key = FwdKey(dtype, head_dim, features, cfg)
     fn = compile_fwd(key, "--keep-ptx --keep-cubin")
     return CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))
 
