@@ -69,10 +69,11 @@ def choose_fwd_config(head_dim: int, causal: bool, local: bool = False) -> FwdCo
             return FwdConfig(tile_m=128, tile_n=128, num_stages=2)
         return FwdConfig(tile_m=192, tile_n=128, num_stages=2)
     if head_dim <= 128:
-        # Causal without ping-pong measured equal or better at hdim 128 in four same-process
-        # runs on an H200 (8K: 647/601 vs 572/583 TF/s; 16K: 625/628 vs 617/623); at hdim 64
-        # (three consumer warpgroups) ping-pong still wins (8K causal 498 vs 458).
-        return FwdConfig(tile_m=128, tile_n=128, num_stages=2, pingpong=not causal)
+        # Ping-pong for every mask. Causal without it once measured equal or better on an
+        # H200 (8K: 647/601 vs 572/583 TF/s); with the window-aware mainloop on an H100 it
+        # lost 13-16% (causal 4K: 484 vs 558, 8K: 501 vs 582; GQA 32/8 at 8K: 542 vs 611,
+        # same process as FA4 at 581 / 609 / 617). perf/NOTES.md has the A/B.
+        return FwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim <= 192:
         return FwdConfig(tile_m=128, tile_n=96, num_stages=2)
     return FwdConfig(tile_m=128, tile_n=80, num_stages=2)
