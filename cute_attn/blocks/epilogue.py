@@ -64,7 +64,9 @@ def store_rows(sX: cute.Tensor, gX: cute.Tensor, num_rows, tidx, num_threads: cu
     synchronises the threads that wrote sX before, and those that reuse it after."""
     rows, cols = cute.size(sX.shape[0]), cute.size(sX.shape[1])
     elems = 128 // sX.element_type.width
-    threads_per_row = cols // elems
+    # threads side by side on a row: a power of two dividing the row's 16-byte chunks
+    # (head dim 96 has 12: 4 threads take 3 chunks each), so a pass covers whole rows
+    threads_per_row = _largest_pow2_divisor(cols // elems, 32)
     copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sX.element_type, num_bits_per_copy=128)
     thr_layout = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
     tiled_copy = cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, elems)))
@@ -75,3 +77,11 @@ def store_rows(sX: cute.Tensor, gX: cute.Tensor, num_rows, tidx, num_threads: cu
     for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
         if tXcX[0, m, 0][0] < num_rows:
             cute.copy(copy_atom, tXsX[None, m, None], tXgX[None, m, None])
+
+
+def _largest_pow2_divisor(n: int, limit: int) -> int:
+    # plain Python (runs while tracing): a loop in a @cute.jit body would be staged
+    p = 1
+    while n % (2 * p) == 0 and 2 * p <= limit:
+        p *= 2
+    return p
