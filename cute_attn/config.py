@@ -41,6 +41,10 @@ class FwdConfig:
     num_stages: int  # depth of the K and V shared-memory rings
     intra_wg_overlap: bool = True  # softmax of block j overlaps QK^T of block j+1, PV of j-1
     pingpong: bool = True  # consumer warpgroups take turns issuing WGMMAs (named barriers)
+    # GQA with short seqlen_q: the pack_gqa query heads sharing a KV head fill one tile's
+    # rows (row r = query r // pack_gqa of head r % pack_gqa), so the KV head is read once
+    # per group instead of once per query head. 1: off. See choose_pack_gqa.
+    pack_gqa: int = 1
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -77,6 +81,19 @@ def choose_fwd_config(head_dim: int, causal: bool, local: bool = False) -> FwdCo
     if head_dim <= 192:
         return FwdConfig(tile_m=128, tile_n=96, num_stages=2)
     return FwdConfig(tile_m=128, tile_n=80, num_stages=2)
+
+
+def choose_pack_gqa(seqlen_q: int, group: int, tile_m: int, varlen: bool) -> int:
+    """Pack a GQA group into the tile rows when that saves at least a quarter of the tiles,
+    hence of the KV reads (each tile walks its KV head once): seqlen_q short against tile_m
+    (decode, chunked prefill), where per-head tiles are mostly padding. Long sequences fill
+    their tiles either way and stay unpacked. Not for varlen (its rows are offset per
+    sequence), nor when the group does not divide tile_m."""
+    if varlen or group <= 1 or tile_m % group:
+        return 1
+    per_head_tiles = -(-seqlen_q // tile_m)
+    packed_tiles = -(-(seqlen_q * group) // tile_m)
+    return group if 4 * packed_tiles <= 3 * group * per_head_tiles else 1
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ measured cost).
 Compiling needs no GPU: set CUTE_DSL_ARCH=sm_90a (see `compile_fwd` and cute_attn.ptx).
 """
 
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from cute_attn.config import (
     FwdConfig,
     choose_bwd_config,
     choose_fwd_config,
+    choose_pack_gqa,
 )
 
 ARCH = "sm_90a"
@@ -190,12 +192,16 @@ def run_fwd(
     if args is None:
         args = RunArgs(softmax_scale)
     head_dim = q.shape[-1]
+    # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
+    group = q.shape[-2] // k.shape[-2]
+    pack = 1 if group == 1 or features.varlen else _pack_for(q.shape[1], group, head_dim, features)
     if config is None:
-        fn = _default_kernels.get((q.dtype, head_dim, features))
+        fn = _default_kernels.get((q.dtype, head_dim, features, pack))
         if fn is None:
             cfg = choose_fwd_config(head_dim, features.causal_like, features.mask == "local")
+            cfg = dataclasses.replace(cfg, pack_gqa=pack)
             fn = get_fwd_kernel(FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, cfg))
-            fn = _default_kernels.setdefault((q.dtype, head_dim, features), fn)
+            fn = _default_kernels.setdefault((q.dtype, head_dim, features, pack), fn)
     else:
         fn = get_fwd_kernel(FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, config))
     out = torch.empty_like(q)
@@ -213,6 +219,11 @@ def run_fwd(
     fn(q4, k4, v4, out4, lse3, cu_q, cu_k, args.max_seqlen_q, args.softmax_scale,
        args.softcap, args.window[0], args.window[1])
     return out, lse
+
+
+def _pack_for(seqlen_q: int, group: int, head_dim: int, features: AttnFeatures) -> int:
+    tile_m = choose_fwd_config(head_dim, features.causal_like, features.mask == "local").tile_m
+    return choose_pack_gqa(seqlen_q, group, tile_m, features.varlen)
 
 
 _unused_cu_seqlens_per_device: dict = {}

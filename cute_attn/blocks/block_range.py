@@ -20,10 +20,18 @@ from cute_attn.blocks.staged import Staged
 
 
 class BlockRange(Staged):
-    def __init__(self, tile_m: int, tile_n: int, window: Window):
+    def __init__(self, tile_m: int, tile_n: int, window: Window, pack_gqa: int = 1):
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.window = window
+        # forward with packed GQA: a tile's row r is query r // pack_gqa (see FwdConfig)
+        self.pack_gqa = pack_gqa
+
+    def _first_query(self, m_block):
+        return m_block * self.tile_m // self.pack_gqa
+
+    def _last_query(self, seqlen: SeqlenInfo, m_block):
+        return (cutlass.min((m_block + 1) * self.tile_m, seqlen.seqlen_q * self.pack_gqa) - 1) // self.pack_gqa
 
     # -- forward: one query block, a range of KV blocks ------------------------------------
 
@@ -34,13 +42,13 @@ class BlockRange(Staged):
         offset = seqlen.seqlen_k - seqlen.seqlen_q
         n_block_max = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
         if cutlass.const_expr(w.has_right):
-            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen.seqlen_q) - 1
+            last_row = self._last_query(seqlen, m_block)
             # keys [0, end) are visible to the tile's last row
             end = cutlass.max(last_row + 1 + offset + w.right_extent(), 0)
             n_block_max = cutlass.min(n_block_max, cute.ceil_div(end, self.tile_n))
         n_block_min = Int32(0)
         if cutlass.const_expr(w.has_left):
-            first_key = cutlass.max(m_block * self.tile_m + offset - w.left, 0)
+            first_key = cutlass.max(self._first_query(m_block) + offset - w.left, 0)
             n_block_min = cutlass.min(first_key // self.tile_n, n_block_max)
         return n_block_min, n_block_max
 
@@ -52,7 +60,7 @@ class BlockRange(Staged):
         start = n_block_max - 1
         if cutlass.const_expr(self.window.has_right):
             # the tile's first row sees keys [.., end): blocks wholly before end are safe
-            end = m_block * self.tile_m + 1 + seqlen.seqlen_k - seqlen.seqlen_q + self.window.right_extent()
+            end = self._first_query(m_block) + 1 + seqlen.seqlen_k - seqlen.seqlen_q + self.window.right_extent()
             start = cutlass.min(start, cutlass.max(end, 0) // self.tile_n)
         return cutlass.max(start, n_block_min)
 
@@ -62,7 +70,7 @@ class BlockRange(Staged):
         [n_min, right_mask_start]."""
         end = n_block_min
         if cutlass.const_expr(self.window.has_left):
-            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen.seqlen_q) - 1
+            last_row = self._last_query(seqlen, m_block)
             # the tile's last row sees keys from `first` on: blocks starting there are safe
             first = cutlass.max(last_row + seqlen.seqlen_k - seqlen.seqlen_q - self.window.left, 0)
             end = cutlass.max(end, cute.ceil_div(first, self.tile_n))

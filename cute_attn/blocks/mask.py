@@ -49,11 +49,12 @@ class Window(Staged):
 
 
 class AttentionMask(Staged):
-    def __init__(self, tile_m: int, tile_n: int, seqlen: SeqlenInfo, window: Window):
-        self.tile_m = tile_m  # queries per tile
+    def __init__(self, tile_m: int, tile_n: int, seqlen: SeqlenInfo, window: Window, pack_gqa: int = 1):
+        self.tile_m = tile_m  # queries per tile (rows: packed GQA puts pack_gqa rows per query)
         self.tile_n = tile_n  # keys per tile
         self.seqlen = seqlen
         self.window = window
+        self.pack_gqa = pack_gqa
 
     @cute.jit
     def apply(
@@ -73,7 +74,7 @@ class AttentionMask(Staged):
         if cutlass.const_expr(not keys_on_rows):
             col_base = n_block * self.tile_n
             for r in cutlass.range_constexpr(cute.size(S.shape[0])):
-                row = m_block * self.tile_m + coords[r, 0][0]
+                row = (m_block * self.tile_m + coords[r, 0][0]) // self.pack_gqa
                 # keys visible to this row: [lo, hi) in global key index
                 hi = self.seqlen.seqlen_k
                 if cutlass.const_expr(w.has_right):

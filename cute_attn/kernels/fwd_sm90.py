@@ -73,6 +73,16 @@ from cute_attn.config import AttnFeatures, FwdConfig
 _REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
 
+def _pack_heads_into_rows(t: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
+    """Packed GQA view: mode 0 (seqlen) becomes (group, seqlen) and the heads mode becomes
+    heads / group, so row r of a KV head's tile is query r // group of query head
+    kv_head * group + r % group. No data moves; TMA addresses the 2-level row mode."""
+    shape, stride = list(t.shape), list(t.stride)
+    shape[0], stride[0] = (group, shape[0]), (stride[head_mode], stride[0])
+    shape[head_mode], stride[head_mode] = shape[head_mode] // group, stride[head_mode] * group
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
+
+
 class FlashFwdSm90:
     def __init__(
         self, dtype: Type[cutlass.Numeric], head_dim: int, features: AttnFeatures, config: FwdConfig
@@ -89,6 +99,8 @@ class FlashFwdSm90:
         self.num_threads = config.num_threads
         self.num_mma_threads = 128 * self.num_mma_wg
         self.producer_regs, self.mma_regs = _REGISTERS[self.num_mma_wg]
+        self.pack_gqa = config.pack_gqa
+        assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
 
     @cute.jit
     def __call__(
@@ -115,6 +127,10 @@ class FlashFwdSm90:
             for t in (mQ, mK, mV, mO)
         ]
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        if cutlass.const_expr(self.pack_gqa > 1):
+            # packed GQA: the group's query heads become rows, ((group, seqlen), ..., heads_kv)
+            mQ, mO = [_pack_heads_into_rows(t, self.pack_gqa, head_mode=2) for t in (mQ, mO)]
+            mLSE = _pack_heads_into_rows(mLSE, self.pack_gqa, head_mode=1)
 
         tiled_mma_qk = mma_sm90.make_tiled_mma(
             self.dtype, OperandMajorMode.K, self.tile_n, self.num_mma_wg
@@ -224,11 +240,13 @@ class FlashFwdSm90:
         # causal-like masks: the last query blocks see the most keys, so they go first
         scheduler = SingleTileScheduler(longest_first=self.features.causal_like)
         m_block, head, batch = scheduler.tile()
+        # packed GQA: the row mode is (group, seqlen_q); the sequence is its second part
+        seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack_gqa > 1) else mQ.shape[0]
         seqlen = SeqlenInfo(
-            batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.features.varlen
+            batch, seqlen_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.features.varlen
         )
         window = Window(self.features.mask, window_left, window_right)
-        block_range = BlockRange(self.tile_m, self.tile_n, window)
+        block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa)
         tile = (m_block, head, batch)
         pipeline_init_wait()
 
@@ -338,7 +356,7 @@ class FlashFwdSm90:
         softmax.row_sum.fill(0.0)
 
         m_block, head, batch = tile
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window)
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window, self.pack_gqa)
         n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block)
         if cutlass.const_expr(self.pingpong):
             if wg_idx == 0:
@@ -511,5 +529,5 @@ class FlashFwdSm90:
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + tOcO[r, 0][0]
-                if row < seqlen.seqlen_q:
+                if row < seqlen.seqlen_q * self.pack_gqa:
                     mLSE_cur[row] = lse[r]
