@@ -213,3 +213,34 @@ def test_cli_prints_feature_specialisations(tmp_path, capsys):
     assert "mask='local', softcap=True, varlen=True" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["ptx", "--causal", "--mask", "local"])
+
+
+# ---- packed GQA (FwdConfig.pack_gqa) ----
+
+from cute_attn.config import FwdConfig, choose_pack_gqa  # noqa: E402
+
+
+@pytest.mark.parametrize("seqlen_q, group, expected", [
+    (1, 4, 4), (1, 8, 8), (64, 4, 4), (129, 8, 8),  # short: most per-head rows are padding
+    (100, 4, 1), (1000, 8, 1), (8192, 4, 1),        # long: tiles full either way
+    (1, 1, 1), (1, 3, 1),                            # no group; a group not dividing 128
+])
+def test_pack_gqa_heuristic(seqlen_q, group, expected):
+    assert choose_pack_gqa(seqlen_q, group, 128, varlen=False) == expected
+    assert choose_pack_gqa(seqlen_q, group, 128, varlen=True) == 1
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+def test_packed_gqa_forward_compiles_with_a_two_level_row_mode(mask):
+    from cute_attn import launcher
+
+    key = launcher.FwdKey("bf16", 128, AttnFeatures(mask=mask), FwdConfig(128, 128, 2, pack_gqa=4))
+    fn = launcher.compile_fwd(key, "--keep-ptx")
+    # Q and O address (group, seqlen) rows: one more TMA dimension than K and V
+    assert "cp.async.bulk.tensor.5d.shared::cta.global" in fn.__ptx__
+    assert "cp.async.bulk.tensor.5d.global.shared::cta" in fn.__ptx__
+    assert "cp.async.bulk.tensor.4d.shared::cta.global" in fn.__ptx__
+    report = ptx_tool.ptxas_report(fn.__ptx__)
+    if "ptxas not found" not in report:
+        m = re.search(r"(\d+) bytes spill stores", report)
+        assert m and int(m.group(1)) == 0, report
