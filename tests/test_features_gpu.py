@@ -24,11 +24,12 @@ beyond the cap (asserted by _assert_cap_bites), where tanh is far from linear.
 Compiles (the device budget is tight): each (dtype, head dim, mask kind none / causal /
 local, softcap on/off, varlen on/off) is one forward and one backward specialisation;
 GQA and the values of the window, the cap and the lengths are run-time arguments, and
-deterministic=True is one more backward. This file needs 15 forward and 16 backward ones:
+deterministic=True is one more backward per mask kind. This file needs 15 forward and 17
+backward ones:
 
   bf16 d128: none, causal, local, none+cap, causal+cap, local+cap           (dense)
              varlen none, varlen causal, varlen local, varlen local+cap
-             local deterministic (backward only)
+             local and varlen causal deterministic (backward only)
   bf16 d64 local; fp16 d64 varlen causal; fp16 d128 none+cap; bf16 d96 local;
   bf16 d256 varlen causal
 
@@ -320,8 +321,12 @@ def test_backward(case):
     _check_grads(case, q, k, v, cu, dout, grads)
 
 
-def test_deterministic_backward_gqa_window_is_bit_identical():
-    case = Case(h=8, h_kv=2, causal=True, window=(300, -1), sq=900, sk=1000)
+@pytest.mark.parametrize("case", [
+    Case(h=8, h_kv=2, causal=True, window=(300, -1), sq=900, sk=1000),
+    # packed: the turn counters index the per-sequence padded query blocks
+    Case(h=8, h_kv=2, causal=True, lens_q=(300, 0, 1000, 17), lens_k=(129, 5, 1000, 17)),
+], ids=["gqa-window", "varlen-gqa"])
+def test_deterministic_backward_is_bit_identical(case):
     q, k, v, dout, cu = _inputs(case, seed=1)
     g1 = _kernel_grads(case, q, k, v, cu, dout, deterministic=True)
     g2 = _kernel_grads(case, q, k, v, cu, dout, deterministic=True)
