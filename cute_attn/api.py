@@ -62,7 +62,7 @@ def mha(q, k, v, *, causal=False, softmax_scale=None, window_size=_NO_WINDOW, so
 
 def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                causal=False, window_size=_NO_WINDOW, softmax_scale=None, softcap=0.0,
-               return_lse=False, deterministic=False):
+               return_lse=False, deterministic=False, check_cu_seqlens=None):
     """mha over a packed batch of variable-length sequences, differentiable.
 
     Args:
@@ -71,10 +71,15 @@ def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1]
             of k and v; a sequence may be empty.
         cu_seqlens_q, cu_seqlens_k: torch.int32, (batch + 1,), on q's device, starting
-            at 0 and non-decreasing. Their values are checked only when they are on the
-            CPU (a check on the GPU would synchronise every call).
+            at 0, non-decreasing, ending at total_q / total_k.
         max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence (they
-            size the grid: a smaller value leaves rows uncomputed).
+            size the grid).
+        check_cu_seqlens: None (default) checks the values above before the launch by
+            reading both offset tensors to the host (one small copy, which waits for the
+            GPU's queued work), except while a CUDA graph is being captured; True always
+            (an error under capture); False never: then offsets that break these rules
+            leave rows of out unwritten or mix sequences. Pass False in a loop whose
+            offsets are already known to be right, to keep the host ahead of the GPU.
         Everything else as in `mha`; masks are bottom-right aligned per sequence.
 
     Returns:
@@ -86,7 +91,7 @@ def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     """
     window, softcap = _window_and_softcap(window_size, softcap)
     validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale)
+                               softmax_scale, check_cu_seqlens)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     features, run_args = _features_and_args(
         causal, window, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -209,12 +209,18 @@ def _check_scale(softmax_scale):
 
 
 def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale):
+                               softmax_scale, check_cu_seqlens=None):
     """Everything mha_varlen needs before a launch: the packed shapes and cu_seqlens
-    (validate_varlen_inputs; their values only when on the CPU, so a GPU call never
-    synchronises), then dtype, head dim, TMA layout, scale, and the device checks of
-    validate_fwd_inputs, applied to (total, nheads, headdim) tensors. Returns the batch."""
-    batch = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    (validate_varlen_inputs), then dtype, head dim, TMA layout, scale, and the device
+    checks of validate_fwd_inputs, applied to (total, nheads, headdim) tensors; last, once
+    all of that holds, the values of cu_seqlens (check_cu_seqlens: None reads them unless
+    a CUDA graph is being captured, True always, False never). Returns the batch."""
+    if check_cu_seqlens is not None and not isinstance(check_cu_seqlens, bool):
+        raise TypeError(
+            f"check_cu_seqlens must be None, True or False, got {type(check_cu_seqlens).__name__}"
+        )
+    batch = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, check_values=False)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is None:
             raise TypeError(f"{name} must be a Python int (the longest sequence), got None")
@@ -233,7 +239,32 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         _check_layout(name, t)
     _check_scale(softmax_scale)
     _check_devices({**tensors, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    capturing = _capturing_cuda_graph()
+    if check_cu_seqlens and capturing:
+        raise ValueError(
+            "check_cu_seqlens=True reads cu_seqlens on the host, which cannot happen while a "
+            "CUDA graph is being captured; check them before capture and pass "
+            "check_cu_seqlens=False (or None) inside it"
+        )
+    if check_cu_seqlens or (check_cu_seqlens is None and not capturing):
+        check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return batch
+
+
+def _capturing_cuda_graph():
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                            max_seqlen_k=None):
+    """The values of a packed batch's offsets: start at 0, non-decreasing, end at q's and
+    k's total tokens, max_seqlen (when given) at least the longest sequence: the kernels
+    size their grid by max_seqlen and trust the offsets, so a broken one would leave rows
+    of out unwritten or read another sequence's rows. On a GPU this is one device-to-host
+    copy of both tensors (equal lengths, checked before), hence one synchronisation."""
+    offsets_q, offsets_k = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
+    _check_offsets("cu_seqlens_q", offsets_q, "q", q.shape[0], "max_seqlen_q", max_seqlen_q)
+    _check_offsets("cu_seqlens_k", offsets_k, "k", k.shape[0], "max_seqlen_k", max_seqlen_k)
 
 
 def _is_int(value):
@@ -384,11 +415,7 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     if check_values is None:
         check_values = all(t.device.type == "cpu" for t in cu.values())
     if check_values:
-        totals = {"cu_seqlens_q": ("q", q.shape[0], "max_seqlen_q"),
-                  "cu_seqlens_k": ("k", k.shape[0], "max_seqlen_k")}
-        for name, t in cu.items():
-            tensor_name, total, max_name = totals[name]
-            _check_offsets(name, t.tolist(), tensor_name, total, max_name, maxes[max_name])
+        check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return cu_seqlens_q.shape[0] - 1
 
 

@@ -15,9 +15,10 @@ Each bad argument is tried in two device setups:
 - "sm90": CPU tensors that report cuda:0, on a device whose capability is monkeypatched to
   sm_90: the device checks pass, which isolates the check under test.
 The values of cu_seqlens (start at 0, non-decreasing, end at the totals, max_seqlen at
-least the longest sequence) are checked only when cu_seqlens are on the CPU, so that a GPU
-call never synchronises: those cases run in the "cpu" setup only, and
-test_gpu_cu_seqlens_values_are_not_read checks that on a "GPU" they are not read at all.
+least the longest sequence) are read on the host by default, last, after every other
+check: with CPU tensors the device error comes first, so those cases run in the "sm90"
+setup only. check_cu_seqlens=False, or a CUDA graph being captured, skips the read
+(test_cu_seqlens_values_not_read_when_told_or_capturing).
 """
 
 import re
@@ -207,7 +208,7 @@ def _call_varlen(args, **kwargs):
 
 # (id, argument ("kv": k and v), replacement (a value or a function of the valid one),
 #  exception, message,
-#  values: True when the check needs the values of cu_seqlens, i.e. CPU only)
+#  values: True when the check needs the values of cu_seqlens, read last)
 BAD_VARLEN = [
     ("q-4d", "q", lambda t: t[None], ValueError,
      r"q must have shape \(total_tokens, nheads, headdim\) for varlen, got shape \(1, 8, 8, 64\) \(4 dims\)", False),
@@ -239,7 +240,7 @@ BAD_VARLEN = [
     ("max_q-bool", "max_seqlen_q", True, TypeError, r"max_seqlen_q must be a Python int, got bool", False),
     ("max_k-tensor", "max_seqlen_k", torch.tensor(5), TypeError, r"max_seqlen_k must be a Python int, got Tensor", False),
     ("max_q-None", "max_seqlen_q", None, TypeError, r"max_seqlen_q must be a Python int", False),
-    # the values: CPU only
+    # the values: read on the host after every other check
     ("cu_q-not-from-0", "cu_seqlens_q", _cu([1, 3, 3, 8]), ValueError, r"cu_seqlens_q must start at 0, got 1", True),
     ("cu_k-not-from-0", "cu_seqlens_k", _cu([2, 4, 6, 11]), ValueError, r"cu_seqlens_k must start at 0, got 2", True),
     ("cu_q-decreasing", "cu_seqlens_q", _cu([0, 5, 3, 8]), ValueError,
@@ -265,10 +266,10 @@ def _varlen_on(setup, monkeypatch, args):
     return {**args, **dict(zip(tensors, _on(setup, monkeypatch, *(args[n] for n in tensors))))}
 
 
-# the cases that need cu_seqlens' values run in the "cpu" setup only (module docstring)
+# the cases that need cu_seqlens' values run in the "sm90" setup only (module docstring)
 @pytest.mark.parametrize("setup, name, new, exc, msg", [
     pytest.param(setup, *case.values[:4], id=f"{setup}-{case.id}")
-    for setup in SETUPS for case in BAD_VARLEN if setup == "cpu" or not case.values[4]
+    for setup in SETUPS for case in BAD_VARLEN if setup == "sm90" or not case.values[4]
 ])
 def test_mha_varlen_bad_argument(monkeypatch, setup, name, new, exc, msg):
     args = _varlen()
@@ -310,16 +311,56 @@ def test_mha_varlen_valid_arguments_reach_the_device_check(h, h_kv, features):
         _call_varlen(args, **features)
 
 
-def test_gpu_cu_seqlens_values_are_not_read(monkeypatch):
-    """On a GPU, cu_seqlens' values are not read on the host (that would synchronise every
-    call), so even offsets that are wrong in value reach the launcher unread."""
-    launched = []
-    monkeypatch.setattr(launcher, "run_fwd", lambda *a, **kw: launched.append(kw) or ("out", "lse"))
+def _gpu_varlen_with_bad_offsets(monkeypatch):
+    """Valid arguments on a "GPU" whose offsets are wrong in value and must not be read."""
     monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
     args = _varlen()
     for name in ("q", "k", "v"):
         args[name] = _fake_cuda(args[name])
     args["cu_seqlens_q"] = _fake_cuda(_cu([0, 5, 3, 8]), _NoHostRead)  # decreasing
     args["cu_seqlens_k"] = _fake_cuda(_cu([0, 4, 6, 11]), _NoHostRead)
-    assert _call_varlen(args, causal=True, window_size=(8, 0), softcap=5.0) == "out"
+    return args
+
+
+@pytest.mark.parametrize("how", ["check_cu_seqlens=False", "capturing"])
+def test_cu_seqlens_values_not_read_when_told_or_capturing(monkeypatch, how):
+    """check_cu_seqlens=False, or the default while a CUDA graph is being captured, never
+    reads the offsets on the host (no synchronisation): even offsets that are wrong in
+    value reach the launcher unread."""
+    launched = []
+    monkeypatch.setattr(launcher, "run_fwd", lambda *a, **kw: launched.append(kw) or ("out", "lse"))
+    args = _gpu_varlen_with_bad_offsets(monkeypatch)
+    kwargs = dict(causal=True, window_size=(8, 0), softcap=5.0)
+    if how == "capturing":
+        monkeypatch.setattr(validation, "_capturing_cuda_graph", lambda: True)
+    else:
+        kwargs["check_cu_seqlens"] = False
+    assert _call_varlen(args, **kwargs) == "out"
     assert len(launched) == 1
+
+
+def test_check_cu_seqlens_true_under_capture_is_an_error(monkeypatch):
+    args = _gpu_varlen_with_bad_offsets(monkeypatch)
+    monkeypatch.setattr(validation, "_capturing_cuda_graph", lambda: True)
+    with pytest.raises(ValueError, match=r"check_cu_seqlens=True reads cu_seqlens on the host"):
+        _call_varlen(args, check_cu_seqlens=True)
+
+
+@pytest.mark.parametrize("value", [1, "yes", 0.0])
+def test_check_cu_seqlens_must_be_none_or_bool(value):
+    with pytest.raises(TypeError, match=r"check_cu_seqlens must be None, True or False, got"):
+        _call_varlen(_varlen(), check_cu_seqlens=value)
+
+
+def test_cu_seqlens_values_read_once_after_the_other_checks(monkeypatch):
+    """By default the offsets are read in one host copy, and only once everything else
+    holds: a wrong offset on a "GPU" raises naming it, before the launcher."""
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **kw: stacks.append(len(ts)) or real_stack(ts, *a, **kw))
+    args = _varlen_on("sm90", monkeypatch, _varlen())
+    args["cu_seqlens_k"] = _fake_cuda(_cu([0, 4, 11, 6]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must be non-decreasing, got 11 then 6"):
+        _call_varlen(args, causal=True)
+    assert stacks == [2]

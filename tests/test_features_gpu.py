@@ -365,6 +365,23 @@ def test_new_varlen_lengths_do_not_recompile():
     assert len(_compiled_keys()) == len(keys)
 
 
+def test_cu_seqlens_values_are_checked_on_the_gpu():
+    """By default mha_varlen reads the GPU offsets before the launch: a decreasing offset
+    and a max_seqlen below the longest sequence raise; check_cu_seqlens=False skips the
+    read and, on right offsets, gives the same output bit for bit."""
+    case = Case(h=4, h_kv=2, causal=True, lens_q=(5, 300, 0), lens_k=(7, 200, 0))
+    q, k, v, _, cu = _inputs(case)
+    decreasing = cu[0].clone()
+    decreasing[1] = 306
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing, got 306 then 305"):
+        cute_attn.mha_varlen(q, k, v, decreasing, cu[1], 300, 200)
+    with pytest.raises(ValueError, match=r"max_seqlen_q must be >= the longest sequence .*\(300\), got 299"):
+        cute_attn.mha_varlen(q, k, v, *cu, 299, 200)
+    out = _call(case, q, k, v, cu)
+    unchecked = cute_attn.mha_varlen(q, k, v, *cu, 300, 200, causal=True, check_cu_seqlens=False)
+    assert torch.equal(out, unchecked)
+
+
 def test_new_window_and_softcap_values_do_not_recompile():
     """The window's sides and the cap are run-time arguments of the local+softcap kernel."""
     first = Case(h=8, h_kv=2, window=(64, 64), softcap=30.0, sq=129, sk=1000)
