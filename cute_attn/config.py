@@ -138,10 +138,17 @@ class BwdConfig:
 BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
-def choose_bwd_config(head_dim: int, causal: bool) -> BwdConfig:
+def choose_bwd_config(head_dim: int, causal: bool, local: bool = False,
+                      softcap: bool = False) -> BwdConfig:
     """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages. At head dim
     96 one warpgroup computes dQ: a 48-column half would straddle the 32-column swizzle
-    atoms of the 96-wide K tile, which WGMMA's B operand cannot address."""
+    atoms of the 96-wide K tile, which WGMMA's B operand cannot address. At head dim 64
+    the dK/dV accumulators are small enough for 128 query rows per step (S^T and dP^T of
+    64 x 128 per warpgroup), which halves the per-step barriers and waits against the
+    GEMM work; the window's second masked loop and the softcap's tanh spill there
+    (36-108 bytes, ptxas), so those keep 64 rows. perf/NOTES.md has the A/B."""
+    if head_dim <= 64 and not (local or softcap):
+        return BwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim > 128:
         # Correct, not fast: head_dim / 64 CTAs per KV block each recompute S and dP
         # (9/5 of the FLOPs at 192, 11/5 at 256). One stage keeps full-width Q, dO, K, V

@@ -348,7 +348,7 @@ def run_bwd(
         args = RunArgs(softmax_scale)
     head_dim = q.shape[-1]
     if config is None:
-        config = choose_bwd_config(head_dim, features.causal_like)
+        config = choose_bwd_config(head_dim, features.causal_like, features.mask == "local", features.softcap)
     pre, main, post = get_bwd_kernels(
         BwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, config, bool(deterministic))
     )

@@ -57,7 +57,8 @@ def compile_bwd_artifacts(
     """{"preprocess" | "main" | "postprocess": CompiledArtifacts} of one backward."""
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     features = _features(causal, features)
-    key = BwdKey(dtype, head_dim, features, choose_bwd_config(head_dim, features.causal_like))
+    key = BwdKey(dtype, head_dim, features, choose_bwd_config(
+        head_dim, features.causal_like, features.mask == "local", features.softcap))
     fns = compile_bwd(key, "--keep-ptx --keep-cubin")
     return {
         name: CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))

@@ -83,12 +83,16 @@ class OnlineSoftmax(Staged):
 def probs_from_lse(acc_S: cute.Tensor, lse_log2_cols: cute.Tensor, scale_log2: Float32):
     """The backward's softmax: recompute P = exp2(S * scale_log2 - LSE * log2(e)) in place
     from the forward's saved LSE, for an S^T tile (keys on rows, queries on columns), so
-    lse_log2_cols holds one value per column of this thread. Masked scores (-inf) and rows
+    lse_log2_cols gives one value per column of this thread (a register tensor, or a
+    ColumnStat reading shared memory). Masked scores (-inf) and rows
     whose LSE was stored as +inf (no visible key, or padding) give P = 0."""
     S = acc_as_rows_cols(acc_S)
-    for r in cutlass.range_constexpr(cute.size(S.shape[0])):
-        for c in cutlass.range_constexpr(cute.size(S.shape[1])):
-            S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2_cols[c], fastmath=True)
+    # column-major walk: each column's LSE is used by its rows at once and is then dead,
+    # so a per-use read (see ColumnStat) need not stay in a register
+    for c in cutlass.range_constexpr(cute.size(S.shape[1])):
+        lse_c = lse_log2_cols[c]
+        for r in cutlass.range_constexpr(cute.size(S.shape[0])):
+            S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_c, fastmath=True)
 
 
 @cute.jit
@@ -97,3 +101,16 @@ def softcap_scores(acc_S: cute.Tensor, pre_scale: Float32):
     The kernels then run the softmax with scale_log2 = softcap * log2(e), which makes the
     scores softcap * tanh(scale * S / softcap) without another multiply per element."""
     acc_S.store(cute.math.tanh(acc_S.load() * pre_scale, fastmath=True))
+
+
+class ColumnStat:
+    """A per-query statistic of the backward (LSE * log2(e), or D = rowsum(dO * O)) for
+    this thread's columns of an S^T tile, read from the stage's shared-memory chunk at each
+    use. Holding them in registers costs one register per column and statistic (32 each
+    at 64 query columns, 64 at 128), which the dK/dV accumulators cannot spare."""
+
+    def __init__(self, smem: cute.Tensor, cols: cute.Tensor, stage):
+        self.smem, self.cols, self.stage = smem, cols, stage
+
+    def __getitem__(self, c):
+        return self.smem[self.cols[0, c][1], self.stage]

@@ -81,7 +81,7 @@ from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.bulk_copy import bulk_load, bulk_reduce_add_f32
 from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
-from cute_attn.blocks.softmax import probs_from_lse, softcap_scores
+from cute_attn.blocks.softmax import ColumnStat, probs_from_lse, softcap_scores
 from cute_attn.blocks.tile_scheduler import SingleTileScheduler
 from cute_attn.blocks.tma_pipeline import make_tma_pipeline
 from cute_attn.config import AttnFeatures, BwdConfig
@@ -528,15 +528,12 @@ class FlashBwdSm90:
         pipeline_do.consumer_wait(state)
         mma_sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wait_groups=-1)
 
-        # per-query statistics of this thread's columns, read while the WGMMAs run
+        # per-query statistics of this thread's columns, read from smem where used
         tScS = thr_mma_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
         cols = mma_sm90.acc_as_rows_cols(tScS)
         num_cols = cute.size(cols.shape[1])
-        lse2 = cute.make_rmem_tensor(num_cols, Float32)
-        dsum = cute.make_rmem_tensor(num_cols, Float32)
-        for c in cutlass.range_constexpr(num_cols):
-            lse2[c] = sLSE2[cols[0, c][1], stage]
-            dsum[c] = sD[cols[0, c][1], stage]
+        lse2 = ColumnStat(sLSE2, cols, stage)
+        dsum = ColumnStat(sD, cols, stage)
 
         P = mma_sm90.acc_as_rows_cols(acc_S)
         dS = mma_sm90.acc_as_rows_cols(acc_dP)
@@ -546,9 +543,10 @@ class FlashBwdSm90:
             warpgroup.wait_group(0)
             # fold the tanh's derivative 1 - tanh^2 into dP^T - D while S^T still holds the
             # tanh values (the mask turns them into -inf); no extra registers that way
-            for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
-                for c in cutlass.range_constexpr(num_cols):
-                    dS[r, c] = (dS[r, c] - dsum[c]) * (1.0 - P[r, c] * P[r, c])
+            for c in cutlass.range_constexpr(num_cols):
+                dsum_c = dsum[c]
+                for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
+                    dS[r, c] = (dS[r, c] - dsum_c) * (1.0 - P[r, c] * P[r, c])
         if cutlass.const_expr(masked):
             mask.apply(acc_S, tScS, m_block, n_block, keys_on_rows=True)
         probs_from_lse(acc_S, lse2, scale_log2)
@@ -559,9 +557,10 @@ class FlashBwdSm90:
                     dS[r, c] = P[r, c] * dS[r, c]
         else:
             warpgroup.wait_group(0)
-            for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
-                for c in cutlass.range_constexpr(num_cols):
-                    dS[r, c] = P[r, c] * (dS[r, c] - dsum[c])
+            for c in cutlass.range_constexpr(num_cols):
+                dsum_c = dsum[c]
+                for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
+                    dS[r, c] = P[r, c] * (dS[r, c] - dsum_c)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
