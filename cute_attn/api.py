@@ -76,10 +76,11 @@ def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             size the grid).
         check_cu_seqlens: None (default) checks the values above before the launch by
             reading both offset tensors to the host (one small copy, which waits for the
-            GPU's queued work), except while a CUDA graph is being captured; True always
-            (an error under capture); False never: then offsets that break these rules
-            leave rows of out unwritten or mix sequences. Pass False in a loop whose
-            offsets are already known to be right, to keep the host ahead of the GPU.
+            GPU's queued work), once per tensor and version: a model that passes the same
+            offsets to every layer pays for the first call only. Skipped while a CUDA
+            graph is being captured. True: the same, an error under capture; False:
+            never, and offsets that break these rules leave rows of out unwritten or
+            mix sequences.
         Everything else as in `mha`; masks are bottom-right aligned per sequence.
 
     Returns:

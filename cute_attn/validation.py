@@ -12,6 +12,7 @@ import math
 import numbers
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Head dims the forward kernel is built for.
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -247,8 +248,26 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             "check_cu_seqlens=False (or None) inside it"
         )
     if check_cu_seqlens or (check_cu_seqlens is None and not capturing):
-        check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _check_cu_seqlens_once(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return batch
+
+
+# Offsets already checked: tensor -> (its version counter, total tokens, max_seqlen) at
+# the time. A model passes one cu_seqlens tensor to every layer, so only its first call
+# reads it on the host; torch bumps _version on any in-place write (views included), and
+# a new tensor is a new key even at a recycled address. Keys are weak and compared by
+# identity (a plain WeakKeyDictionary would compare tensors with ==).
+_checked_offsets = WeakIdKeyDictionary()
+
+
+def _check_cu_seqlens_once(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    states = ((cu_seqlens_q, (cu_seqlens_q._version, q.shape[0], max_seqlen_q)),
+              (cu_seqlens_k, (cu_seqlens_k._version, k.shape[0], max_seqlen_k)))
+    if all(_checked_offsets.get(t) == state for t, state in states):
+        return
+    check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for t, state in states:
+        _checked_offsets[t] = state
 
 
 def _capturing_cuda_graph():

@@ -364,3 +364,27 @@ def test_cu_seqlens_values_read_once_after_the_other_checks(monkeypatch):
     with pytest.raises(ValueError, match=r"cu_seqlens_k must be non-decreasing, got 11 then 6"):
         _call_varlen(args, causal=True)
     assert stacks == [2]
+
+
+def test_cu_seqlens_checked_once_per_tensor_version(monkeypatch):
+    """A model passes one offsets tensor to every layer: the default check reads it on the
+    first call only. An in-place write (a new version) or a new max_seqlen reads it again,
+    and a bad value written in place is caught."""
+    launched = []
+    monkeypatch.setattr(launcher, "run_fwd", lambda *a, **kw: launched.append(kw) or ("out", "lse"))
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    reads = []
+    real_check = validation.check_cu_seqlens_values
+    monkeypatch.setattr(validation, "check_cu_seqlens_values",
+                        lambda *a: reads.append(1) or real_check(*a))
+    args = _varlen_on("sm90", monkeypatch, _varlen())
+    for _ in range(3):
+        assert _call_varlen(args, causal=True) == "out"
+    assert len(reads) == 1
+    args["max_seqlen_q"] += 1
+    assert _call_varlen(args, causal=True) == "out"
+    assert len(reads) == 2
+    args["cu_seqlens_k"][2] = 12  # in place: 0, 4, 12, 11
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must be non-decreasing, got 12 then 11"):
+        _call_varlen(args, causal=True)
+    assert len(reads) == 3 and len(launched) == 4
