@@ -41,10 +41,6 @@ class FwdConfig:
     num_stages: int  # depth of the K and V shared-memory rings
     intra_wg_overlap: bool = True  # softmax of block j overlaps QK^T of block j+1, PV of j-1
     pingpong: bool = True  # consumer warpgroups take turns issuing WGMMAs (named barriers)
-    # release each V stage one step late, behind the next step's WGMMA issue, so that ptxas
-    # cannot hoist the wait on PV above the softmax (kernels/fwd_sm90.py, perf/NOTES.md);
-    # the cost: the producer gets the stage back later
-    late_v_release: bool = False
     # GQA with short seqlen_q: the pack_gqa query heads sharing a KV head fill one tile's
     # rows (row r = query r // pack_gqa of head r % pack_gqa), so the KV head is read once
     # per group instead of once per query head. 1: off. See choose_pack_gqa.
@@ -81,11 +77,7 @@ def choose_fwd_config(head_dim: int, causal: bool, local: bool = False) -> FwdCo
         # H200 (8K: 647/601 vs 572/583 TF/s); with the window-aware mainloop on an H100 it
         # lost 13-16% (causal 4K: 484 vs 558, 8K: 501 vs 582; GQA 32/8 at 8K: 542 vs 611,
         # same process as FA4 at 581 / 609 / 617). perf/NOTES.md has the A/B.
-        # Late V release: the softmax then runs under the PV WGMMA (SASS: 12 of the 64
-        # exp2s and 174 instructions between the two waits instead of 0 and 68); H100,
-        # 5 rounds: causal +2.4 / +3.0 / +2.6% at 1K / 4K / 16K, non-causal -4.2 / -2.1 /
-        # +0.2% (the producer gets V back a turn later, which short rows feel).
-        return FwdConfig(tile_m=128, tile_n=128, num_stages=2, late_v_release=causal)
+        return FwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim <= 192:
         return FwdConfig(tile_m=128, tile_n=96, num_stages=2)
     return FwdConfig(tile_m=128, tile_n=80, num_stages=2)

@@ -27,7 +27,6 @@ def variants_for(head_dim: int, causal: bool) -> dict:
         "flip_pingpong": dataclasses.replace(base, pingpong=not base.pingpong),
         "no_intra_wg_overlap": dataclasses.replace(base, intra_wg_overlap=False),
         "stages_3": dataclasses.replace(base, num_stages=3),
-        "flip_late_v_release": dataclasses.replace(base, late_v_release=not base.late_v_release),
     }
     if head_dim == 128:
         out["tile_n_176"] = dataclasses.replace(base, tile_n=176)

@@ -246,32 +246,9 @@ def test_packed_gqa_forward_compiles_with_a_two_level_row_mode(mask):
         assert m and int(m.group(1)) == 0, report
 
 
-# ---- schedule and tile choices measured in perf/NOTES.md (session 4) ----
+# ---- the backward tile choice measured in perf/NOTES.md (session 4) ----
 
-from cute_attn.config import choose_bwd_config, choose_fwd_config  # noqa: E402
-
-
-def test_late_v_release_only_where_it_measured_faster():
-    assert choose_fwd_config(128, causal=True).late_v_release
-    assert choose_fwd_config(128, causal=True, local=True).late_v_release
-    assert not choose_fwd_config(128, causal=False).late_v_release
-    # head dim 96 shares head dim 128's config (untuned); 64 measured within noise
-    assert choose_fwd_config(96, causal=True) == choose_fwd_config(128, causal=True)
-    assert not any(choose_fwd_config(d, c).late_v_release for d in (64, 192, 256) for c in (False, True))
-
-
-def test_late_v_release_compiles_for_every_mask_without_spills():
-    """Both release points compile for every mask; the late one carries the released stage
-    across the three mainloop loops."""
-    from cute_attn import launcher
-
-    for mask in ("none", "causal", "local"):
-        key = launcher.FwdKey("bf16", 128, AttnFeatures(mask=mask), FwdConfig(128, 128, 2, late_v_release=True))
-        fn = launcher.compile_fwd(key, "--keep-ptx")
-        report = ptx_tool.ptxas_report(fn.__ptx__)
-        if "ptxas not found" not in report:
-            m = re.search(r"(\d+) bytes spill stores", report)
-            assert m and int(m.group(1)) == 0, report
+from cute_attn.config import choose_bwd_config  # noqa: E402
 
 
 def test_backward_head_dim_64_takes_128_query_rows_unless_window_or_softcap():

@@ -19,18 +19,6 @@ from cute_attn.blocks.mma_sm90 import acc_as_rows_cols
 from cute_attn.blocks.staged import Staged
 
 
-@cute.jit
-def _row_max(S: cute.Tensor, r: cutlass.Constexpr[int], init: Float32) -> Float32:
-    """Max of row r of this thread's scores: four independent fmax chains (latency), and
-    fmax (max.f32: a NaN operand yields the other one) rather than the NaN-propagating
-    max of a generic reduce, which costs a compare and a select per shuffle."""
-    n = cute.size(S.shape[1])
-    acc = [S[r, c] for c in range(4)]
-    for c in cutlass.range_constexpr(4, n):
-        acc[c % 4] = cute.arch.fmax(acc[c % 4], S[r, c])
-    return cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(cute.arch.fmax(acc[2], acc[3]), init))
-
-
 class OnlineSoftmax(Staged):
     def __init__(self, scale_log2: Float32, num_rows: int):
         self.scale_log2 = scale_log2
@@ -46,8 +34,8 @@ class OnlineSoftmax(Staged):
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             s_row = S[r, None].load()
             init = -Float32.inf if cutlass.const_expr(is_first) else self.row_max[r]
-            new_max = _row_max(S, r, init)
-            new_max = cute.arch.warp_reduction_max(new_max, op=cute.arch.fmax, threads_in_group=4)
+            new_max = s_row.reduce(cute.ReductionOp.MAX, init, 0)
+            new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
             # a row with no visible key yet: exponentiate against 0, not -inf
             safe_max = 0.0 if new_max == -Float32.inf else new_max
             max_scaled = safe_max * self.scale_log2

@@ -15,9 +15,7 @@ Pipelines (mbarrier rings, cutlass.pipeline.PipelineTmaAsync):
   * Q: one stage; the TMA's transaction count completes the full barrier.
   * K and V: separate rings sharing one stage index. The producer issues K[j] before
     V[j+1] because the consumers need them in that order (see below); a consumer warp's
-    lane 0 releases a stage once its WGMMAs that read it have completed (with
-    FwdConfig.late_v_release, a V stage one step later, behind the next step's WGMMA
-    issue: ptxas hoists an mbarrier arrive, and the PV wait before it, above the softmax).
+    lane 0 releases a stage once its WGMMAs that read it have completed.
 
 Mainloop schedule per consumer warpgroup, KV blocks walked from the last one down (the
 first block visited is the only one that can be partial, and with causal the diagonal
@@ -98,7 +96,6 @@ class FlashFwdSm90:
         self.intra_wg_overlap = config.intra_wg_overlap
         self.num_mma_wg = config.num_mma_warpgroups
         self.pingpong = config.pingpong and self.num_mma_wg > 1
-        self.late_v_release = config.late_v_release
         self.num_threads = config.num_threads
         self.num_mma_threads = 128 * self.num_mma_wg
         self.producer_regs, self.mma_regs = _REGISTERS[self.num_mma_wg]
@@ -401,19 +398,14 @@ class FlashFwdSm90:
                 pipeline_k, pipeline_v, softmax, mask, tScS, m_block, wg_idx, pending_scale,
                 softcap_pre,
             )
-            # the V stage whose PV WGMMA the last step waited for, released by the next
-            # step (see mainloop_step); -1: none yet
-            v_done = Int32(-1)
             for i in cutlass.range(n_block_max - 1 - right_start, unroll=1):
-                kv_state, v_done = self.mainloop_step(n_block_max - 2 - i, kv_state, v_done, *step_args, masked=True)
+                kv_state = self.mainloop_step(n_block_max - 2 - i, kv_state, *step_args, masked=True)
             for i in cutlass.range(right_start - left_end, unroll=1):
-                kv_state, v_done = self.mainloop_step(right_start - 1 - i, kv_state, v_done, *step_args, masked=False)
+                kv_state = self.mainloop_step(right_start - 1 - i, kv_state, *step_args, masked=False)
             if cutlass.const_expr(window.has_left):
                 for i in cutlass.range(left_end - n_block_min, unroll=1):
-                    kv_state, v_done = self.mainloop_step(left_end - 1 - i, kv_state, v_done, *step_args, masked=True)
+                    kv_state = self.mainloop_step(left_end - 1 - i, kv_state, *step_args, masked=True)
             if cutlass.const_expr(self.intra_wg_overlap):
-                if cutlass.const_expr(self.late_v_release):
-                    self.release_v(pipeline_v, v_done)
                 softmax.rescale(acc_O, pending_scale)
                 kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
 
@@ -425,7 +417,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def mainloop_step(
-        self, n_block, kv_state, v_done, acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape,
+        self, n_block, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape,
         tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax, mask, tScS, m_block,
         wg_idx, pending_scale, softcap_pre, masked: cutlass.Constexpr[bool],
     ):
@@ -451,12 +443,6 @@ class FlashFwdSm90:
                 wait_groups=-1,
             )
             self.pass_turn(wg_idx)
-            # The previous step's V is released here, behind this step's barriers and
-            # WGMMA issues, not right after its own wait on PV: ptxas hoists an mbarrier
-            # arrive as far up as it can, and the PV wait that must precede it with it,
-            # which put that wait above the whole softmax (SASS) and undid the overlap.
-            if cutlass.const_expr(self.late_v_release):
-                self.release_v(pipeline_v, v_done)
             warpgroup.wait_group(1)
             pipeline_k.consumer_release(kv_state)
             if cutlass.const_expr(self.features.softcap):
@@ -465,11 +451,8 @@ class FlashFwdSm90:
                 mask.apply(acc_S, tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
             warpgroup.wait_group(0)
-            if cutlass.const_expr(not self.late_v_release):
-                pipeline_v.consumer_release(v_state)
+            pipeline_v.consumer_release(v_state)
             tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
-            if cutlass.const_expr(self.late_v_release):
-                v_done = v_state.index
         else:
             pipeline_k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
@@ -488,13 +471,7 @@ class FlashFwdSm90:
             softmax.rescale(acc_O, row_scale)
             tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
             kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
-        return kv_state, v_done
-
-    @cute.jit
-    def release_v(self, pipeline_v, stage):
-        """Release V ring stage `stage` (none when -1)."""
-        if stage >= 0:
-            pipeline_v.consumer_release(pipeline.PipelineState(self.num_stages, Int32(0), stage, Int32(0)))
+        return kv_state
 
     @cute.jit
     def pv_step(self, tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state):
