@@ -138,6 +138,12 @@ class BwdConfig:
 BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
+def bwd_config_for(head_dim: int, features: AttnFeatures) -> BwdConfig:
+    """choose_bwd_config for a call's compiled features."""
+    return choose_bwd_config(head_dim, features.causal_like, features.mask == "local",
+                             features.softcap)
+
+
 def choose_bwd_config(head_dim: int, causal: bool, local: bool = False,
                       softcap: bool = False) -> BwdConfig:
     """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages. At head dim

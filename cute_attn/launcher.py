@@ -24,7 +24,7 @@ from cute_attn.config import (
     AttnFeatures,
     BwdConfig,
     FwdConfig,
-    choose_bwd_config,
+    bwd_config_for,
     choose_fwd_config,
     choose_pack_gqa,
 )
@@ -348,7 +348,7 @@ def run_bwd(
         args = RunArgs(softmax_scale)
     head_dim = q.shape[-1]
     if config is None:
-        config = choose_bwd_config(head_dim, features.causal_like, features.mask == "local", features.softcap)
+        config = bwd_config_for(head_dim, features)
     pre, main, post = get_bwd_kernels(
         BwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, config, bool(deterministic))
     )

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from cute_attn.config import AttnFeatures, choose_bwd_config, choose_fwd_config
+from cute_attn.config import AttnFeatures, bwd_config_for, choose_fwd_config
 from cute_attn.launcher import ARCH, BwdKey, FwdKey, compile_bwd, compile_fwd
 
 
@@ -57,8 +57,7 @@ def compile_bwd_artifacts(
     """{"preprocess" | "main" | "postprocess": CompiledArtifacts} of one backward."""
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     features = _features(causal, features)
-    key = BwdKey(dtype, head_dim, features, choose_bwd_config(
-        head_dim, features.causal_like, features.mask == "local", features.softcap))
+    key = BwdKey(dtype, head_dim, features, bwd_config_for(head_dim, features))
     fns = compile_bwd(key, "--keep-ptx --keep-cubin")
     return {
         name: CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))

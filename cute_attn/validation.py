@@ -240,6 +240,8 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         _check_layout(name, t)
     _check_scale(softmax_scale)
     _check_devices({**tensors, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    if check_cu_seqlens is False:
+        return batch
     capturing = _capturing_cuda_graph()
     if check_cu_seqlens and capturing:
         raise ValueError(
@@ -247,7 +249,7 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             "CUDA graph is being captured; check them before capture and pass "
             "check_cu_seqlens=False (or None) inside it"
         )
-    if check_cu_seqlens or (check_cu_seqlens is None and not capturing):
+    if not capturing:
         _check_cu_seqlens_once(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return batch
 

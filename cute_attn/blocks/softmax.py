@@ -106,8 +106,8 @@ def softcap_scores(acc_S: cute.Tensor, pre_scale: Float32):
 class ColumnStat:
     """A per-query statistic of the backward (LSE * log2(e), or D = rowsum(dO * O)) for
     this thread's columns of an S^T tile, read from the stage's shared-memory chunk at each
-    use. Holding them in registers costs one register per column and statistic (32 each
-    at 64 query columns, 64 at 128), which the dK/dV accumulators cannot spare."""
+    use. Holding them in registers costs one register per column and statistic (16 each
+    at 64 query columns, 32 at 128), which the dK/dV accumulators cannot spare."""
 
     def __init__(self, smem: cute.Tensor, cols: cute.Tensor, stage):
         self.smem, self.cols, self.stage = smem, cols, stage
