@@ -3,8 +3,7 @@
 import argparse
 import sys
 
-from cute_attn.config import MASK_KINDS, AttnFeatures
-from cute_attn.validation import SUPPORTED_HEAD_DIMS
+from cute_attn.config import CAPABILITIES, DTYPES, MASK_KINDS, AttnFeatures
 
 
 def main(argv=None) -> int:
@@ -13,8 +12,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("ptx", help="compile a kernel specialisation for sm_90a and print its PTX")
     p.add_argument("--kernel", choices=("fwd", "bwd"), default="fwd",
                    help="bwd: the preprocess, main and postprocess kernels of the backward")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--headdim", type=int, choices=SUPPORTED_HEAD_DIMS, default=128)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--headdim", type=int, choices=CAPABILITIES["fwd"].head_dims, default=128)
     p.add_argument("--causal", action="store_true", help="same as --mask causal")
     p.add_argument("--mask", choices=MASK_KINDS, default=None,
                    help="none, causal, or local (sliding window; its sizes are run-time)")

@@ -3,8 +3,7 @@ autograd, a torch.autograd.Function runs the backward kernels."""
 
 import torch
 
-from cute_attn.config import UNBOUNDED, AttnFeatures
-from cute_attn.launcher import RunArgs
+from cute_attn.config import CAUSAL, DENSE, UNBOUNDED, AttnFeatures, RunArgs
 from cute_attn.validation import (
     prepare_dout,
     validate_fwd_inputs,
@@ -29,7 +28,7 @@ def mha(q, k, v, *, causal=False, softmax_scale=None, window_size=_NO_WINDOW, so
             (sequence before heads). Strides are free as long as the last dim is
             contiguous and the others are multiples of 8 elements, so a .transpose(1, 2)
             view of a (b, h, s, d) tensor works. headdim must be one of
-            validation.SUPPORTED_HEAD_DIMS (the backward: config.BWD_HEAD_DIMS).
+            config.CAPABILITIES["fwd"].head_dims (the backward: ["bwd"]).
         causal: mask aligned to the bottom-right corner: query i sees key j iff
             j <= i + seqlen_k - seqlen_q. A query that sees no key (seqlen_q >
             seqlen_k) gets out = 0 and lse = -inf, and zero gradients.
@@ -57,7 +56,7 @@ def mha(q, k, v, *, causal=False, softmax_scale=None, window_size=_NO_WINDOW, so
     validate_fwd_inputs(q, k, v, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[3] ** -0.5
     features, run_args = _features_and_args(causal, window, softcap, scale)
-    return _run(q, k, v, features, run_args, scale, deterministic, return_lse)
+    return _run(q, k, v, features, run_args, deterministic, return_lse)
 
 
 def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -97,11 +96,7 @@ def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     features, run_args = _features_and_args(
         causal, window, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     )
-    return _run(q, k, v, features, run_args, scale, deterministic, return_lse)
-
-
-_DENSE = AttnFeatures()
-_CAUSAL = AttnFeatures(mask="causal")
+    return _run(q, k, v, features, run_args, deterministic, return_lse)
 
 
 def _window_and_softcap(window_size, softcap):
@@ -115,9 +110,11 @@ def _window_and_softcap(window_size, softcap):
 
 
 def _features_and_args(causal, window, softcap, scale, varlen=None):
-    """(AttnFeatures, launcher.RunArgs) of a call; RunArgs is None for plain attention
-    (causal or not), which keeps the common case on the shortest host path. A window
-    equal to causal becomes causal; -1 sides become config.UNBOUNDED."""
+    """(AttnFeatures, RunArgs) of a call: the one place where the arguments
+    become the features every later layer reads. Plain attention (causal or not) takes
+    the shared DENSE / CAUSAL objects, the shortest host path. A window equal to causal
+    becomes causal; -1 sides become config.UNBOUNDED."""
+
     left, right = window
     if causal:
         right = 0
@@ -128,7 +125,7 @@ def _features_and_args(causal, window, softcap, scale, varlen=None):
     else:
         mask = "local"
     if mask != "local" and softcap == 0.0 and varlen is None:
-        return (_CAUSAL if mask == "causal" else _DENSE), None
+        return (CAUSAL if mask == "causal" else DENSE), RunArgs(scale)
     window = (UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)
     features = AttnFeatures(mask=mask, softcap=softcap > 0, varlen=varlen is not None)
     if varlen is None:
@@ -137,36 +134,30 @@ def _features_and_args(causal, window, softcap, scale, varlen=None):
     return features, RunArgs(scale, softcap, window, cu_q, cu_k, int(max_q), int(max_k))
 
 
-def _run(q, k, v, features, run_args, scale, deterministic, return_lse):
+def _run(q, k, v, features, run_args, deterministic, return_lse):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        settings = _AttentionSettings(features, run_args, scale, bool(deterministic))
+        settings = _AttentionSettings(features, run_args, bool(deterministic))
         out, lse = _AttentionFunction.apply(q, k, v, settings)
-    elif run_args is None:
-        out, lse = _launcher().run_fwd(q, k, v, causal=features.mask == "causal", softmax_scale=scale)
     else:
-        out, lse = _launcher().run_fwd(q, k, v, softmax_scale=scale, features=features, args=run_args)
+        out, lse = _launcher().run_fwd(q, k, v, features, run_args)
     return (out, lse) if return_lse else out
 
 
 class _AttentionSettings:
     """The non-tensor arguments of one attention call, carried to the backward."""
 
-    __slots__ = ("features", "run_args", "softmax_scale", "deterministic")
+    __slots__ = ("features", "run_args", "deterministic")
 
-    def __init__(self, features, run_args, softmax_scale: float, deterministic: bool):
+    def __init__(self, features: AttnFeatures, run_args, deterministic: bool):
         self.features = features
-        self.run_args = run_args  # launcher.RunArgs, or None for plain attention
-        self.softmax_scale = softmax_scale
+        self.run_args = run_args
         self.deterministic = deterministic
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, settings):
-        out, lse = _launcher().run_fwd(
-            q, k, v, softmax_scale=settings.softmax_scale, features=settings.features,
-            args=settings.run_args,
-        )
+        out, lse = _launcher().run_fwd(q, k, v, settings.features, settings.run_args)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = settings
         ctx.mark_non_differentiable(lse)
@@ -177,8 +168,7 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         s = ctx.settings
         dq, dk, dv = _launcher().run_bwd(
-            prepare_dout(dout, out), q, k, v, out, lse,
-            softmax_scale=s.softmax_scale, features=s.features, args=s.run_args,
+            prepare_dout(dout, out), q, k, v, out, lse, s.features, s.run_args,
             deterministic=s.deterministic,
         )
         return dq, dk, dv, None

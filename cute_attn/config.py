@@ -1,10 +1,27 @@
-"""Tile configurations for the Hopper forward kernel, one heuristic per head dim.
+"""What a call compiles, and the policies every kernel family reads.
+
+- `AttnFeatures`: what a call needs beyond dense softmax attention (mask kind, softcap,
+  varlen), static; `RunArgs`: the run-time values that go with it (scale, window sides,
+  offsets). The API builds both once; the launcher, the config heuristics and the
+  kernels read those same objects (nothing downstream re-derives a `causal` flag).
+- `DtypePolicy` / `DTYPES`: the element types of a specialisation (input, P, output,
+  accumulator) and the alignment TMA needs, read by validation, the launcher and the
+  kernels instead of lists of their own.
+- `CAPABILITIES`: head dims and dtypes per kernel family, read by validation, the ptx
+  command line and the API docs.
+- `REGISTER_BUDGETS`: setmaxnreg budgets per warp role.
+- Frozen tile configs (`FwdConfig`, `BwdConfig`) and the one heuristic per family that
+  picks them (`fwd_config_for`, `bwd_config_for`).
 
 A config is static: it is part of the compile-cache key, so everything in it selects a
 different kernel, while sequence lengths, batch and heads stay dynamic.
 """
 
+import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
 
 MASK_KINDS = ("none", "causal", "local")
 # An unbounded side of a local window on the device: far beyond any sequence length, yet
@@ -30,8 +47,109 @@ class AttnFeatures:
 
     @property
     def causal_like(self) -> bool:
-        # the tile heuristics treat any window like causal: work shrinks per tile
+        """The mask bounds the right side (causal or a window): a query tile's work
+        shrinks toward the start of the sequence, so tile order and tile shape care."""
         return self.mask != "none"
+
+    @property
+    def local(self) -> bool:
+        return self.mask == "local"
+
+
+# The two plain specialisations, shared so that the common call builds no object.
+DENSE = AttnFeatures()
+CAUSAL = AttnFeatures(mask="causal")
+
+
+class RunArgs(NamedTuple):
+    """The run-time values of one call beyond its tensors (none of them is in a compile
+    key, so a new value never recompiles)."""
+
+    softmax_scale: float
+    softcap: float = 0.0  # 0: off
+    window: tuple = (UNBOUNDED, UNBOUNDED)  # (left, right) of a "local" mask
+    cu_seqlens_q: Optional[torch.Tensor] = None  # varlen only
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+
+# ----------------------------------------------------------------------------------------
+# Dtypes and capabilities
+# ----------------------------------------------------------------------------------------
+
+_DSL_TYPE_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32"}
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """The element types one specialisation computes with. Validation checks inputs
+    against `input` and `align_bytes`; the launcher allocates `output`; the kernels build
+    their MMAs from `input` (operands), `p` (the P operand of O += P V) and `accumulator`."""
+
+    name: str  # its name in compile keys and on the command line
+    input: torch.dtype  # q, k, v (and dout)
+    p: torch.dtype  # P as the A operand of the PV WGMMA (and P^T, dS^T in the backward)
+    output: torch.dtype  # out, dq, dk, dv
+    accumulator: torch.dtype = torch.float32  # WGMMA accumulators, LSE, dQ_accum
+    # TMA descriptors need every non-unit global stride, and the base address, to be a
+    # multiple of 16 bytes
+    align_bytes: int = 16
+    # align_bytes in elements of `input`; derived (a field, not a property: validation
+    # reads it on every call)
+    align_elems: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "align_elems", self.align_bytes // self.input.itemsize)
+
+    def dsl(self, which: str = "input"):
+        """The CuTe DSL type of one of the fields above (imports the DSL)."""
+        import cutlass
+
+        return getattr(cutlass, _DSL_TYPE_NAMES[getattr(self, which)])
+
+
+DTYPES = {
+    p.name: p
+    for p in (
+        DtypePolicy("fp16", torch.float16, torch.float16, torch.float16),
+        DtypePolicy("bf16", torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    )
+}
+# the per-call lookup: input dtype -> policy
+DTYPE_OF_INPUT = {p.input: p for p in DTYPES.values()}
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What one kernel family accepts."""
+
+    head_dims: tuple
+    dtypes: tuple  # DTYPES names
+
+
+CAPABILITIES = {
+    "fwd": Capability(head_dims=(64, 96, 128, 192, 256), dtypes=("fp16", "bf16")),
+    # Each consumer warpgroup keeps a 64 x head_dim dK and dV accumulator in registers
+    # (head_dim registers per thread for the two), which leaves room for the S, dP and dQ
+    # tiles only up to head dim 128; beyond, see BwdConfig.d_slice.
+    "bwd": Capability(head_dims=(64, 96, 128, 192, 256), dtypes=("fp16", "bf16")),
+}
+
+
+# ----------------------------------------------------------------------------------------
+# Register budgets
+# ----------------------------------------------------------------------------------------
+
+# Registers per thread after setmaxnreg, (producer warpgroup, each consumer warpgroup), by
+# the number of consumer warpgroups: 128 * (producer + n * consumer) must stay within the
+# SM's 64K registers, and setmaxnreg takes multiples of 8.
+REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+
+
+# ----------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -45,6 +163,10 @@ class FwdConfig:
     # rows (row r = query r // pack_gqa of head r % pack_gqa), so the KV head is read once
     # per group instead of once per query head. 1: off. See choose_pack_gqa.
     pack_gqa: int = 1
+    # Split-KV: num_splits CTAs share one query tile, each walking a slice of its KV
+    # blocks (blocks/block_range.py). The slot for decode (issue 12); the launcher runs 1
+    # until the combine kernel exists.
+    num_splits: int = 1
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -55,32 +177,48 @@ class FwdConfig:
         # one producer warpgroup + the consumer warpgroups
         return 128 * (self.num_mma_warpgroups + 1)
 
+    @property
+    def registers(self) -> tuple:
+        """(producer, consumer) registers per thread after setmaxnreg."""
+        return REGISTER_BUDGETS[self.num_mma_warpgroups]
+
     def __post_init__(self):
         if self.tile_m % 64 or not 1 <= self.tile_m // 64 <= 3:
             raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16, got {self.tile_n}")
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
 
 
-def choose_fwd_config(head_dim: int, causal: bool, local: bool = False) -> FwdConfig:
+def fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1) -> FwdConfig:
     """The forward tile shape per head dim (FlashAttention-3's choices as a starting point;
-    perf/NOTES.md records what was measured here). causal: any mask that bounds the right
-    side (causal or a sliding window); local: a sliding window."""
+    perf/NOTES.md records what was measured here), with pack_gqa rows per query."""
     if head_dim <= 64:
-        if local:
+        if features.local:
             # three consumer warpgroups have 160 registers each: the window's two-sided
             # mask and its third loop spilled 272 bytes there (ptxas); two do not spill
-            return FwdConfig(tile_m=128, tile_n=128, num_stages=2)
-        return FwdConfig(tile_m=192, tile_n=128, num_stages=2)
-    if head_dim <= 128:
+            cfg = FwdConfig(tile_m=128, tile_n=128, num_stages=2)
+        else:
+            cfg = FwdConfig(tile_m=192, tile_n=128, num_stages=2)
+    elif head_dim <= 128:
         # Ping-pong for every mask. Causal without it once measured equal or better on an
         # H200 (8K: 647/601 vs 572/583 TF/s); with the window-aware mainloop on an H100 it
         # lost 13-16% (causal 4K: 484 vs 558, 8K: 501 vs 582; GQA 32/8 at 8K: 542 vs 611,
         # same process as FA4 at 581 / 609 / 617). perf/NOTES.md has the A/B.
-        return FwdConfig(tile_m=128, tile_n=128, num_stages=2)
-    if head_dim <= 192:
-        return FwdConfig(tile_m=128, tile_n=96, num_stages=2)
-    return FwdConfig(tile_m=128, tile_n=80, num_stages=2)
+        cfg = FwdConfig(tile_m=128, tile_n=128, num_stages=2)
+    elif head_dim <= 192:
+        cfg = FwdConfig(tile_m=128, tile_n=96, num_stages=2)
+    else:
+        cfg = FwdConfig(tile_m=128, tile_n=80, num_stages=2)
+    return cfg if pack_gqa == 1 else dataclasses.replace(cfg, pack_gqa=pack_gqa)
+
+
+def pack_gqa_for(head_dim: int, features: AttnFeatures, seqlen_q: int, group: int) -> int:
+    """The pack_gqa of a call with this query length and GQA group (see choose_pack_gqa)."""
+    if group == 1 or features.varlen:
+        return 1
+    return choose_pack_gqa(seqlen_q, group, fwd_config_for(head_dim, features).tile_m, False)
 
 
 def choose_pack_gqa(seqlen_q: int, group: int, tile_m: int, varlen: bool) -> int:
@@ -94,6 +232,11 @@ def choose_pack_gqa(seqlen_q: int, group: int, tile_m: int, varlen: bool) -> int
     per_head_tiles = -(-seqlen_q // tile_m)
     packed_tiles = -(-(seqlen_q * group) // tile_m)
     return group if 4 * packed_tiles <= 3 * group * per_head_tiles else 1
+
+
+# ----------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -123,6 +266,15 @@ class BwdConfig:
     def num_threads(self) -> int:
         return 128 * (self.num_mma_warpgroups + 1)
 
+    @property
+    def registers(self) -> tuple:
+        """(producer, consumer) registers per thread after setmaxnreg."""
+        return REGISTER_BUDGETS[self.num_mma_warpgroups]
+
+    def num_d_slices(self, head_dim: int) -> int:
+        """CTAs that share one KV block, each producing d_slice columns (1: no split)."""
+        return head_dim // (self.d_slice or head_dim)
+
     def __post_init__(self):
         if self.tile_n % 64 or not 1 <= self.tile_n // 64 <= 2:
             raise ValueError(f"tile_n must be 64 or 128, got {self.tile_n}")
@@ -132,20 +284,7 @@ class BwdConfig:
             raise ValueError(f"dq_warpgroups must be 1 or {self.num_mma_warpgroups}, got {self.dq_warpgroups}")
 
 
-# Head dims the backward supports. Each consumer warpgroup keeps a 64 x head_dim dK and dV
-# accumulator in registers (head_dim registers per thread for the two), which leaves room
-# for the S, dP and dQ tiles only up to head dim 128; beyond, see BwdConfig.d_slice.
-BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
-
-
 def bwd_config_for(head_dim: int, features: AttnFeatures) -> BwdConfig:
-    """choose_bwd_config for a call's compiled features."""
-    return choose_bwd_config(head_dim, features.causal_like, features.mask == "local",
-                             features.softcap)
-
-
-def choose_bwd_config(head_dim: int, causal: bool, local: bool = False,
-                      softcap: bool = False) -> BwdConfig:
     """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages. At head dim
     96 one warpgroup computes dQ: a 48-column half would straddle the 32-column swizzle
     atoms of the 96-wide K tile, which WGMMA's B operand cannot address. At head dim 64
@@ -153,7 +292,7 @@ def choose_bwd_config(head_dim: int, causal: bool, local: bool = False,
     64 x 128 per warpgroup), which halves the per-step barriers and waits against the
     GEMM work; the window's second masked loop and the softcap's tanh spill there
     (36-108 bytes, ptxas), so those keep 64 rows. perf/NOTES.md has the A/B."""
-    if head_dim <= 64 and not (local or softcap):
+    if head_dim <= 64 and not (features.local or features.softcap):
         return BwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim > 128:
         # Correct, not fast: head_dim / 64 CTAs per KV block each recompute S and dP

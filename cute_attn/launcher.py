@@ -1,6 +1,6 @@
 """Compiles kernel specialisations once, caches them, and launches them on torch tensors.
 
-The compile key holds only static properties (dtype, head dim, causal, tile config, arch):
+The compile key holds only static properties (dtype, head dim, features, tile config, arch):
 batch, sequence lengths, heads and every stride except the last are symbolic, so a new
 shape never recompiles. Kernels are compiled through the DSL's TVM-FFI path: the compiled
 function takes torch tensors directly and launches on torch's current CUDA stream, which
@@ -10,7 +10,6 @@ measured cost).
 Compiling needs no GPU: set CUTE_DSL_ARCH=sm_90a (see `compile_fwd` and cute_attn.ptx).
 """
 
-import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -19,67 +18,69 @@ from typing import Optional
 import torch
 
 from cute_attn.config import (
-    BWD_HEAD_DIMS,
-    UNBOUNDED,
+    CAPABILITIES,
+    DTYPE_OF_INPUT,
+    DTYPES,
     AttnFeatures,
     BwdConfig,
     FwdConfig,
+    RunArgs,
     bwd_config_for,
-    choose_fwd_config,
-    choose_pack_gqa,
+    fwd_config_for,
+    pack_gqa_for,
 )
 
 ARCH = "sm_90a"
-_TORCH_TO_DSL = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
 class FwdKey:
-    dtype: str  # "bf16" | "fp16"
+    dtype: str  # a config.DTYPES name
     head_dim: int
     features: AttnFeatures
     config: FwdConfig
     arch: str = ARCH
 
 
-@dataclass(frozen=True)
-class RunArgs:
-    """The run-time values of one call beyond its tensors (none of them is in a key)."""
-
-    softmax_scale: float
-    softcap: float = 0.0  # 0: off
-    window: tuple = (UNBOUNDED, UNBOUNDED)  # (left, right) of a "local" mask
-    cu_seqlens_q: Optional[torch.Tensor] = None  # varlen only
-    cu_seqlens_k: Optional[torch.Tensor] = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
+# ----------------------------------------------------------------------------------------
+# Symbolic stand-ins for compiling without tensors (and without a GPU)
+# ----------------------------------------------------------------------------------------
 
 
-def _dsl_dtype(name: str):
-    import cutlass
+class _Symbols:
+    """The dynamic sizes every kernel shares, as DSL symbols."""
 
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[name]
+    def __init__(self):
+        import cutlass.cute as cute
+
+        self.batch = cute.sym_int32(symbol="batch")
+        self.heads, self.heads_kv = cute.sym_int32(symbol="heads"), cute.sym_int32(symbol="heads_kv")
+        self.seqlen_q, self.seqlen_k = cute.sym_int32(symbol="seqlen_q"), cute.sym_int32(symbol="seqlen_k")
 
 
-def _fake_bshd(dtype, batch, seqlen, heads, head_dim: int, name: str):
+def _fake_bshd(dtype_name: str, batch, seqlen, heads, head_dim: int, name: str):
     """(batch, seqlen, heads, head_dim) with head_dim contiguous; the other strides are
-    64-bit and declared multiples of 8 elements (16 bytes, as TMA requires; validation
-    checks it before a call); the pointer 16-byte aligned."""
+    64-bit and declared multiples of the policy's alignment (16 bytes, as TMA requires;
+    validation checks it before a call); the pointer 16-byte aligned."""
     import cutlass.cute as cute
 
-    strides = tuple(cute.sym_int64(divisibility=8, symbol=f"{name}_stride{i}") for i in range(3))
+    policy = DTYPES[dtype_name]
+    strides = tuple(
+        cute.sym_int64(divisibility=policy.align_elems, symbol=f"{name}_stride{i}") for i in range(3)
+    )
     return cute.runtime.make_fake_tensor(
-        dtype, (batch, seqlen, heads, head_dim), stride=(*strides, 1), assumed_align=16
+        policy.dsl("input"), (batch, seqlen, heads, head_dim), stride=(*strides, 1),
+        assumed_align=policy.align_bytes,
     )
 
 
-def _fake_rowwise(batch, heads, n, name, align=4, divisibility=1):
-    """(batch, heads, n) float32 with the last dim contiguous."""
+def _fake_rowwise(batch, heads, n, name, align=4, divisibility=1, dtype=None):
+    """(batch, heads, n) float32 (or dtype) with the last dim contiguous."""
     import cutlass
     import cutlass.cute as cute
 
     return cute.runtime.make_fake_tensor(
-        cutlass.Float32, (batch, heads, n),
+        dtype or cutlass.Float32, (batch, heads, n),
         stride=(cute.sym_int64(divisibility=divisibility, symbol=f"{name}_stride0"),
                 cute.sym_int64(divisibility=divisibility, symbol=f"{name}_stride1"), 1),
         assumed_align=align,
@@ -95,53 +96,65 @@ def _fake_cu_seqlens(name):
     )
 
 
-def _fake_scalars():
-    """(softmax_scale, softcap, window_left, window_right) stand-ins."""
+def _fake_run_args():
+    """(max_seqlen, softmax_scale, softcap, window_left, window_right) stand-ins."""
     import cutlass
 
-    return cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0)
+    return cutlass.Int32(0), cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0)
+
+
+def _fake_stream():
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def _fake_fwd_args(key: FwdKey):
     """Symbolic stand-ins for the forward's arguments that fix only what the key fixes
     (see _fake_bshd for the strides and alignment). Varlen calls pass (1, total, ...)
     views of the packed tensors, so batch, seqlen and heads stay symbols either way."""
-    import cutlass
-    import cutlass.cute as cute
-
-    dtype = _dsl_dtype(key.dtype)
-    batch = cute.sym_int32(symbol="batch")
-    heads, heads_kv = cute.sym_int32(symbol="heads"), cute.sym_int32(symbol="heads_kv")
-    seqlen_q, seqlen_k = cute.sym_int32(symbol="seqlen_q"), cute.sym_int32(symbol="seqlen_k")
-    d = key.head_dim
-    q, o = (_fake_bshd(dtype, batch, seqlen_q, heads, d, n) for n in ("q", "o"))
-    k, v = (_fake_bshd(dtype, batch, seqlen_k, heads_kv, d, n) for n in ("k", "v"))
-    lse = _fake_rowwise(batch, heads, seqlen_q, "lse")
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    n, d = _Symbols(), key.head_dim
+    q, o = (_fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, name) for name in ("q", "o"))
+    k, v = (_fake_bshd(key.dtype, n.batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
+    lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
     return (
         q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"),
-        cutlass.Int32(0), *_fake_scalars(), stream,
+        *_fake_run_args(), _fake_stream(),
     )
+
+
+def _compile(kernel, fake_args, extra_options: str):
+    import cutlass.cute as cute
+
+    options = ("--enable-tvm-ffi " + extra_options).strip()
+    return cute.compile(kernel, *fake_args, options=options)
 
 
 def compile_fwd(key: FwdKey, extra_options: str = ""):
     """Compile one forward specialisation; returns the TVM-FFI callable
     f(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, softcap,
     window_left, window_right)."""
-    import cutlass.cute as cute
-
     from cute_attn.kernels.fwd_sm90 import FlashFwdSm90
 
+    _check_capability("fwd", key)
     os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
-    kernel = FlashFwdSm90(_dsl_dtype(key.dtype), key.head_dim, key.features, key.config)
-    options = ("--enable-tvm-ffi " + extra_options).strip()
-    return cute.compile(kernel, *_fake_fwd_args(key), options=options)
+    kernel = FlashFwdSm90(DTYPES[key.dtype], key.head_dim, key.features, key.config)
+    return _compile(kernel, _fake_fwd_args(key), extra_options)
+
+
+def _check_capability(family: str, key):
+    cap = CAPABILITIES[family]
+    if key.head_dim not in cap.head_dims or key.dtype not in cap.dtypes:
+        raise NotImplementedError(
+            f"cute_attn's {family} kernel supports head dims {cap.head_dims} and dtypes "
+            f"{cap.dtypes}, got head dim {key.head_dim}, dtype {key.dtype}"
+        )
 
 
 _cache: dict = {}
 _cache_lock = threading.Lock()
-# (torch dtype, head_dim, features) -> kernel of the default config: the per-call lookup
-# then hashes three plain values instead of building and hashing config dataclasses
+# (torch dtype, head_dim, features, pack_gqa) -> kernel of the default config: the per-call
+# lookup then hashes four plain values instead of building and hashing config dataclasses
 _default_kernels: dict = {}
 
 
@@ -166,64 +179,60 @@ def get_fwd_kernel(key: FwdKey):
     return _cached(key, lambda k: _raw(compile_fwd(k)))
 
 
-_DENSE = AttnFeatures()
-_DENSE_CAUSAL = AttnFeatures(mask="causal")
+def _default_fwd_kernel(q, k, features: AttnFeatures):
+    head_dim = q.shape[-1]
+    # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
+    group = q.shape[-2] // k.shape[-2]
+    pack = pack_gqa_for(head_dim, features, q.shape[1], group) if group > 1 else 1
+    fn = _default_kernels.get((q.dtype, head_dim, features, pack))
+    if fn is None:
+        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, fwd_config_for(head_dim, features, pack))
+        fn = _default_kernels.setdefault((q.dtype, head_dim, features, pack), get_fwd_kernel(key))
+    return fn
+
+
+def _batched(features: AttnFeatures, *tensors):
+    """The kernels see a packed (varlen) batch as one (1, total, heads, ...) sequence."""
+    return tuple(t[None] for t in tensors) if features.varlen else tensors
+
+
+def _cu_seqlens(features: AttnFeatures, args: RunArgs, device):
+    if features.varlen:
+        return args.cu_seqlens_q, args.cu_seqlens_k
+    t = _unused_cu_seqlens(device)
+    return t, t
 
 
 def run_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float,
-    features: Optional[AttnFeatures] = None,
-    args: Optional[RunArgs] = None,
+    features: AttnFeatures,
+    args: RunArgs,
     config: Optional[FwdConfig] = None,
 ):
     """Launch the forward on validated inputs; returns (out, lse). out has q's dtype and
     dimension order (empty_like keeps a transposed view's strides); lse is float32
-    (batch, heads, seqlen_q), or (heads, total_q) for varlen.
-
-    features=None is plain attention (causal or not); otherwise `args` carries the
-    run-time values that go with the features (its softmax_scale wins)."""
-    if features is None:
-        features = _DENSE_CAUSAL if causal else _DENSE
-    if args is None:
-        args = RunArgs(softmax_scale)
-    head_dim = q.shape[-1]
-    # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
-    group = q.shape[-2] // k.shape[-2]
-    pack = 1 if group == 1 or features.varlen else _pack_for(q.shape[1], group, head_dim, features)
+    (batch, heads, seqlen_q), or (heads, total_q) for varlen. config=None takes the
+    default (config.fwd_config_for)."""
     if config is None:
-        fn = _default_kernels.get((q.dtype, head_dim, features, pack))
-        if fn is None:
-            cfg = choose_fwd_config(head_dim, features.causal_like, features.mask == "local")
-            cfg = dataclasses.replace(cfg, pack_gqa=pack)
-            fn = get_fwd_kernel(FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, cfg))
-            fn = _default_kernels.setdefault((q.dtype, head_dim, features, pack), fn)
+        fn = _default_fwd_kernel(q, k, features)
     else:
-        fn = get_fwd_kernel(FwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, config))
-    out = torch.empty_like(q)
+        if config.num_splits != 1:
+            raise NotImplementedError("split-KV needs the combine kernel (issue 12); num_splits must be 1")
+        fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
+    out = torch.empty_like(q, dtype=DTYPE_OF_INPUT[q.dtype].output)
     if features.varlen:
         total_q, heads, _ = q.shape
         lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
-        # the kernels see a packed batch as one (1, total, heads, head_dim) sequence
-        q4, k4, v4, out4, lse3 = q[None], k[None], v[None], out[None], lse[None]
-        cu_q, cu_k = args.cu_seqlens_q, args.cu_seqlens_k
     else:
         batch, seqlen_q, heads, _ = q.shape
         lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-        q4, k4, v4, out4, lse3 = q, k, v, out, lse
-        cu_q = cu_k = _unused_cu_seqlens(q.device)
+    q4, k4, v4, out4, lse3 = _batched(features, q, k, v, out, lse)
+    cu_q, cu_k = _cu_seqlens(features, args, q.device)
     fn(q4, k4, v4, out4, lse3, cu_q, cu_k, args.max_seqlen_q, args.softmax_scale,
        args.softcap, args.window[0], args.window[1])
     return out, lse
-
-
-def _pack_for(seqlen_q: int, group: int, head_dim: int, features: AttnFeatures) -> int:
-    tile_m = choose_fwd_config(head_dim, features.causal_like, features.mask == "local").tile_m
-    return choose_pack_gqa(seqlen_q, group, tile_m, features.varlen)
 
 
 _unused_cu_seqlens_per_device: dict = {}
@@ -244,7 +253,7 @@ def _unused_cu_seqlens(device):
 
 @dataclass(frozen=True)
 class BwdKey:
-    dtype: str  # "bf16" | "fp16"
+    dtype: str  # a config.DTYPES name
     head_dim: int
     features: AttnFeatures
     config: BwdConfig
@@ -258,33 +267,25 @@ def _fake_bwd_args(key: BwdKey):
     import cutlass
     import cutlass.cute as cute
 
-    dtype = _dsl_dtype(key.dtype)
-    d = key.head_dim
-    batch = cute.sym_int32(symbol="batch")
-    heads, heads_kv = cute.sym_int32(symbol="heads"), cute.sym_int32(symbol="heads_kv")
-    seqlen_q, seqlen_k = cute.sym_int32(symbol="seqlen_q"), cute.sym_int32(symbol="seqlen_k")
+    n, d = _Symbols(), key.head_dim
     # padded query rows (whole tiles: per batch entry, or per sequence when packed)
     rows_pad = cute.sym_int32(divisibility=key.config.tile_m, symbol="rows_pad")
     accum_len = cute.sym_int32(divisibility=key.config.tile_m * d, symbol="dq_accum_len")
 
-    q, dq, o, do = (_fake_bshd(dtype, batch, seqlen_q, heads, d, n) for n in ("q", "dq", "o", "do"))
-    k, v, dk, dv = (_fake_bshd(dtype, batch, seqlen_k, heads_kv, d, n) for n in ("k", "v", "dk", "dv"))
-    lse = _fake_rowwise(batch, heads, seqlen_q, "lse")
+    q, dq, o, do = (_fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, name) for name in ("q", "dq", "o", "do"))
+    k, v, dk, dv = (_fake_bshd(key.dtype, n.batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v", "dk", "dv"))
+    lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
     # 16-byte aligned chunks: the bulk copies of the main kernel need it
-    lse2 = _fake_rowwise(batch, heads, rows_pad, "lse2", align=16, divisibility=4)
-    dsum = _fake_rowwise(batch, heads, rows_pad, "dsum", align=16, divisibility=4)
-    dq_accum = _fake_rowwise(batch, heads, accum_len, "dq_accum", align=16, divisibility=4)
+    lse2 = _fake_rowwise(n.batch, n.heads, rows_pad, "lse2", align=16, divisibility=4)
+    dsum = _fake_rowwise(n.batch, n.heads, rows_pad, "dsum", align=16, divisibility=4)
+    dq_accum = _fake_rowwise(n.batch, n.heads, accum_len, "dq_accum", align=16, divisibility=4)
     # its own symbols: a 1-element dummy is passed when not deterministic
-    semaphore = cute.runtime.make_fake_tensor(
-        cutlass.Int32,
-        tuple(cute.sym_int32(symbol=f"sem_dim{i}") for i in range(3)),
-        stride=(cute.sym_int64(symbol="sem_stride0"), cute.sym_int64(symbol="sem_stride1"), 1),
-        assumed_align=4,
+    semaphore = _fake_rowwise(
+        *(cute.sym_int32(symbol=f"sem_dim{i}") for i in range(3)), "sem", dtype=cutlass.Int32
     )
     cu_q, cu_k = _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k")
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    max_seqlen = cutlass.Int32(0)
-    scale, softcap, wl, wr = _fake_scalars()
+    stream = _fake_stream()
+    max_seqlen, scale, softcap, wl, wr = _fake_run_args()
     return (
         (o, do, lse, lse2, dsum, cu_q, max_seqlen, stream),
         (q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, cu_q, cu_k, max_seqlen,
@@ -296,27 +297,16 @@ def _fake_bwd_args(key: BwdKey):
 def compile_bwd(key: BwdKey, extra_options: str = ""):
     """Compile the three backward kernels of one specialisation; returns the TVM-FFI
     callables (preprocess, main, postprocess)."""
-    import cutlass.cute as cute
-
     from cute_attn.kernels.bwd_prepost import BwdPostprocess, BwdPreprocess
     from cute_attn.kernels.bwd_sm90 import FlashBwdSm90
 
-    if key.head_dim not in BWD_HEAD_DIMS:
-        raise NotImplementedError(
-            f"cute_attn's backward supports head dims {BWD_HEAD_DIMS}, got {key.head_dim}"
-        )
+    _check_capability("bwd", key)
     os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
-    dtype, cfg, varlen = _dsl_dtype(key.dtype), key.config, key.features.varlen
-    options = ("--enable-tvm-ffi " + extra_options).strip()
+    dtypes, cfg, features = DTYPES[key.dtype], key.config, key.features
     pre_args, main_args, post_args = _fake_bwd_args(key)
-    pre = cute.compile(BwdPreprocess(dtype, key.head_dim, cfg.tile_m, varlen), *pre_args, options=options)
-    main = cute.compile(
-        FlashBwdSm90(dtype, key.head_dim, key.features, cfg, key.deterministic), *main_args, options=options
-    )
-    post = cute.compile(
-        BwdPostprocess(dtype, key.head_dim, cfg.tile_m, cfg.dq_warpgroups, cfg.d_slice or key.head_dim, varlen),
-        *post_args, options=options,
-    )
+    pre = _compile(BwdPreprocess(dtypes, key.head_dim, cfg, features), pre_args, extra_options)
+    main = _compile(FlashBwdSm90(dtypes, key.head_dim, features, cfg, key.deterministic), main_args, extra_options)
+    post = _compile(BwdPostprocess(dtypes, key.head_dim, cfg, features), post_args, extra_options)
     return pre, main, post
 
 
@@ -331,26 +321,19 @@ def run_bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float,
-    features: Optional[AttnFeatures] = None,
-    args: Optional[RunArgs] = None,
+    features: AttnFeatures,
+    args: RunArgs,
     deterministic: bool = False,
     config: Optional[BwdConfig] = None,
 ):
     """Gradients (dq, dk, dv) of the forward that produced (out, lse), each laid out like
     its input. dout must be TMA-addressable like q (validation.prepare_dout). features and
     args as for run_fwd."""
-    if features is None:
-        features = _DENSE_CAUSAL if causal else _DENSE
-    if args is None:
-        args = RunArgs(softmax_scale)
     head_dim = q.shape[-1]
     if config is None:
         config = bwd_config_for(head_dim, features)
     pre, main, post = get_bwd_kernels(
-        BwdKey(_TORCH_TO_DSL[q.dtype], head_dim, features, config, bool(deterministic))
+        BwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config, bool(deterministic))
     )
     tile_m = config.tile_m
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -360,14 +343,12 @@ def run_bwd(
         # each sequence padded to whole query tiles (blocks/seqlen.py): room for all
         rows = (total_q + batch * tile_m + tile_m - 1) // tile_m * tile_m
         stats_batch = 1
-        q, k, v, out, dout, dq, dk, dv = (t[None] for t in (q, k, v, out, dout, dq, dk, dv))
-        lse = lse[None]
-        cu_q, cu_k = args.cu_seqlens_q, args.cu_seqlens_k
     else:
         batch, seqlen_q, heads, _ = q.shape
         rows = (seqlen_q + tile_m - 1) // tile_m * tile_m
         stats_batch = batch
-        cu_q = cu_k = _unused_cu_seqlens(q.device)
+    q, k, v, out, dout, dq4, dk4, dv4, lse = _batched(features, q, k, v, out, dout, dq, dk, dv, lse)
+    cu_q, cu_k = _cu_seqlens(features, args, q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
     lse2 = torch.empty((stats_batch, heads, rows), **f32)
     dsum = torch.empty((stats_batch, heads, rows), **f32)
@@ -375,16 +356,14 @@ def run_bwd(
     dq_accum = torch.zeros((stats_batch, heads, rows * head_dim), **f32)
     if deterministic:
         # one turn counter per (batch, head, query block, head_dim slice)
-        slices = head_dim // (config.d_slice or head_dim)
+        slices = config.num_d_slices(head_dim)
         semaphore = torch.zeros((stats_batch, heads, rows // tile_m * slices), dtype=torch.int32, device=q.device)
     else:
         semaphore = _unused_semaphore(q.device)
     pre(out, dout, lse, lse2, dsum, cu_q, args.max_seqlen_q)
-    main(q, k, v, dout, lse2, dsum, dq_accum, dk, dv, semaphore, cu_q, cu_k, args.max_seqlen_k,
+    main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, args.max_seqlen_k,
          args.softmax_scale, args.softcap, args.window[0], args.window[1])
-    post(dq_accum, dq, cu_q, args.max_seqlen_q, args.softmax_scale)
-    if features.varlen:
-        dq, dk, dv = dq[0], dk[0], dv[0]
+    post(dq_accum, dq4, cu_q, args.max_seqlen_q, args.softmax_scale)
     return dq, dk, dv
 
 

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from cute_attn.config import AttnFeatures, bwd_config_for, choose_fwd_config
+from cute_attn.config import AttnFeatures, BwdConfig, FwdConfig, bwd_config_for, fwd_config_for
 from cute_attn.launcher import ARCH, BwdKey, FwdKey, compile_bwd, compile_fwd
 
 
@@ -35,29 +35,23 @@ os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "
 os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
 
 
-def _features(causal: bool, features: Optional[AttnFeatures]) -> AttnFeatures:
-    return features if features is not None else AttnFeatures(mask="causal" if causal else "none")
-
-
 def compile_fwd_artifacts(
-    dtype: str, head_dim: int, causal: bool = False, features: Optional[AttnFeatures] = None
+    dtype: str, head_dim: int, features: AttnFeatures, config: Optional[FwdConfig] = None
 ) -> CompiledArtifacts:
-    """features (mask kind, softcap, varlen) overrides causal when given."""
+    """The forward of (features), with the default tile config unless one is given."""
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
-    features = _features(causal, features)
-    cfg = choose_fwd_config(head_dim, features.causal_like, features.mask == "local")
-    key = FwdKey(dtype, head_dim, features, cfg)
+    key = FwdKey(dtype, head_dim, features, config or fwd_config_for(head_dim, features))
     fn = compile_fwd(key, "--keep-ptx --keep-cubin")
     return CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))
 
 
 def compile_bwd_artifacts(
-    dtype: str, head_dim: int, causal: bool = False, features: Optional[AttnFeatures] = None
+    dtype: str, head_dim: int, features: AttnFeatures, config: Optional[BwdConfig] = None,
+    deterministic: bool = False,
 ) -> dict:
     """{"preprocess" | "main" | "postprocess": CompiledArtifacts} of one backward."""
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
-    features = _features(causal, features)
-    key = BwdKey(dtype, head_dim, features, bwd_config_for(head_dim, features))
+    key = BwdKey(dtype, head_dim, features, config or bwd_config_for(head_dim, features), deterministic)
     fns = compile_bwd(key, "--keep-ptx --keep-cubin")
     return {
         name: CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))

@@ -4,7 +4,9 @@ Each failure raises TypeError (wrong kind of thing) or ValueError (right kind, w
 value) whose message names the argument, the value received and what is accepted.
 The order is deliberate: everything that can be judged on a CPU tensor (type, rank,
 dtype, shapes, head dim, strides, scale) comes before the device checks, so the CPU
-test suite exercises every check but the last two.
+test suite exercises every check but the last two. The dtypes, head dims and alignment
+accepted come from cute_attn.config (DTYPE_OF_INPUT, CAPABILITIES["fwd"]), and the dense
+and varlen entry points share one copy of each check.
 """
 
 import itertools
@@ -14,15 +16,11 @@ import numbers
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Head dims the forward kernel is built for.
-SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+from cute_attn.config import CAPABILITIES, DTYPE_OF_INPUT, DTYPES, DtypePolicy
 
-_DTYPES = (torch.float16, torch.bfloat16)
 _NAMES = ("q", "k", "v")
-# TMA descriptors need every non-unit global stride to be a multiple of 16 bytes and
-# the base address 16-byte aligned; both dtypes are 2 bytes, so 8 elements.
-_ALIGN_BYTES = 16
-_ALIGN_ELEMS = 8
+_DENSE_SHAPE = "(batch, seqlen, nheads, headdim)"
+_VARLEN_SHAPE = "(total_tokens, nheads, headdim) for varlen"
 # Not .contiguous(): it returns its input unchanged when only a size-1 dim has an odd
 # stride or the storage offset is misaligned; a clone always gets fresh packed strides.
 _COPY_HINT = "make a packed copy with .clone(memory_format=torch.contiguous_format)"
@@ -48,15 +46,17 @@ def _plainly_valid(q, k, v, softmax_scale):
     qs, ks = q.shape, k.shape
     if len(qs) != 4 or len(ks) != 4 or v.shape != ks:
         return False
-    dtype = q.dtype
-    if (dtype is not torch.bfloat16 and dtype is not torch.float16) or k.dtype is not dtype or v.dtype is not dtype:
+    dtype, fwd = q.dtype, CAPABILITIES["fwd"]
+    policy = DTYPE_OF_INPUT.get(dtype)  # as in _check_dtypes
+    if policy is None or policy.name not in fwd.dtypes or k.dtype is not dtype or v.dtype is not dtype:
         return False
     b, sq, h, d = qs
-    if ks[0] != b or ks[2] < 1 or h % ks[2] or ks[3] != d or d not in SUPPORTED_HEAD_DIMS or sq < 1 or ks[1] < 1 or b < 1 or h < 1:
+    if ks[0] != b or ks[2] < 1 or h % ks[2] or ks[3] != d or d not in fwd.head_dims or sq < 1 or ks[1] < 1 or b < 1 or h < 1:
         return False
+    elems, align = policy.align_elems, policy.align_bytes
     for t in (q, k, v):
         s0, s1, s2, s3 = t.stride()
-        if s3 != 1 or s0 % 8 or s1 % 8 or s2 % 8 or t.data_ptr() % 16:
+        if s3 != 1 or s0 % elems or s1 % elems or s2 % elems or t.data_ptr() % align:
             return False
     if softmax_scale is not None and not (type(softmax_scale) is float and 0.0 < softmax_scale < math.inf):
         return False
@@ -71,38 +71,122 @@ def validate_fwd_inputs(q, k, v, softmax_scale):
     if _plainly_valid(q, k, v, softmax_scale):
         return
     tensors = dict(zip(_NAMES, (q, k, v)))
-
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
+        _check_is_tensor(name, t)
     for name, t in tensors.items():
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have shape (batch, seqlen, nheads, headdim), "
-                f"got shape {tuple(t.shape)} ({t.dim()} dims)"
-            )
-
-    if q.dtype not in _DTYPES:
-        hint = "; cast with .to(torch.bfloat16) or .half()" if q.dtype == torch.float32 else ""
-        raise TypeError(f"q must be torch.float16 or torch.bfloat16, got {q.dtype}{hint}")
-    for name in ("k", "v"):
-        if tensors[name].dtype != q.dtype:
-            raise TypeError(
-                f"{name} must have the same dtype as q ({q.dtype}), got {tensors[name].dtype}"
-            )
-
+        _check_rank(name, t, 4, _DENSE_SHAPE)
+    policy = _check_dtypes(q, k, v)
     _check_shapes(q, k, v)
+    _check_operands(tensors, policy, softmax_scale)
 
-    d = q.shape[3]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q headdim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
 
+def _check_shapes(q, k, v):
+    b, sq, h, d = q.shape
+    for name, t in (("k", k), ("v", v)):
+        for axis, label in ((0, "batch"), (3, "headdim")):
+            _check_equal(name, label, t.shape[axis], q.shape[axis], shapes=(q, t))
+    _check_equal("v", "seqlen", v.shape[1], k.shape[1], ref="k")
+    for name, value in (("q batch", b), ("q nheads", h), ("q seqlen", sq), ("k seqlen", k.shape[1])):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    validate_gqa_heads(q, k, v)
+
+
+# ----------------------------------------------------------------------------------------
+# One copy of each check that validate_fwd_inputs and validate_varlen_fwd_inputs share
+# (and the TMA layout rule, which prepare_dout applies too)
+# ----------------------------------------------------------------------------------------
+
+
+def _check_is_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_rank(name, t, dims, shape):
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have shape {shape}, got shape {tuple(t.shape)} ({t.dim()} dims)")
+
+
+def _check_equal(name, label, value, expected, ref="q", shapes=()):
+    """ValueError unless value (of name) == expected (of ref); shapes: the (ref, name)
+    tensors whose shapes the message shows."""
+    if value != expected:
+        detail = ""
+        if shapes:
+            detail = f" ({ref} shape {tuple(shapes[0].shape)}, {name} shape {tuple(shapes[1].shape)})"
+        raise ValueError(f"{name} {label} must equal {ref} {label} ({expected}), got {value}{detail}")
+
+
+def _accepted_dtypes(fwd):
+    """The forward's input dtypes as messages name them ("torch.float16 or torch.bfloat16")."""
+    return " or ".join(str(DTYPES[name].input) for name in fwd.dtypes)
+
+
+def _check_dtypes(q, k, v):
+    """q's dtype one the forward takes, k's and v's the same; returns its DtypePolicy."""
+    fwd = CAPABILITIES["fwd"]
+    policy = DTYPE_OF_INPUT.get(q.dtype)
+    if policy is None or policy.name not in fwd.dtypes:
+        hint = "; cast with .to(torch.bfloat16) or .half()" if q.dtype == torch.float32 else ""
+        raise TypeError(f"q must be {_accepted_dtypes(fwd)}, got {q.dtype}{hint}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
+    return policy
+
+
+def _check_operands(tensors, policy, softmax_scale, **other_tensors):
+    """What the kernel needs of q, k, v (tensors) once their shapes hold: a head dim it is
+    built for, TMA-addressable layouts, a usable scale; then the devices of the tensors
+    and of other_tensors."""
+    head_dims = CAPABILITIES["fwd"].head_dims
+    d = tensors["q"].shape[-1]
+    if d not in head_dims:
+        raise ValueError(f"q headdim must be one of {head_dims}, got {d}")
     for name, t in tensors.items():
-        _check_layout(name, t)
-
+        problem = _layout_problem(name, t, policy)
+        if problem:
+            raise ValueError(problem)
     _check_scale(softmax_scale)
-    _check_devices(tensors)
+    _check_devices({**tensors, **other_tensors})
+
+
+def _layout_problem(name, t, policy):
+    """What keeps t from being a TMA operand of the policy's dtype (None: nothing). TMA
+    descriptors need the last dim contiguous, every other stride a multiple of align_bytes
+    (align_elems elements of the dtype), and the base address aligned to align_bytes."""
+    strides = t.stride()
+    if strides[-1] != 1:
+        return (f"{name} must be contiguous in the last dimension, got strides {strides}; "
+                "call .contiguous()")
+    if any(s % policy.align_elems for s in strides[:-1]):
+        return (f"{name} strides must be multiples of {policy.align_elems} elements "
+                f"({policy.align_bytes} bytes, a TMA requirement), got strides {strides}; "
+                f"{_COPY_HINT}")
+    if t.data_ptr() % policy.align_bytes:
+        return (f"{name} data pointer must be {policy.align_bytes}-byte aligned (a TMA "
+                f"requirement), got address {t.data_ptr():#x} (storage offset "
+                f"{t.storage_offset()}); {_COPY_HINT}")
+    return None
+
+
+def _check_scale(softmax_scale):
+    if softmax_scale is None:
+        return
+    # bool is an int subclass but never a meaningful scale; tensors would force a sync.
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(
+            "softmax_scale must be None or a Python float/int, "
+            f"got {type(softmax_scale).__name__}"
+        )
+    # positive: the kernel takes each row's max over raw scores and scales it after,
+    # which is the max of the scaled scores only when the scale is positive
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(
+            f"softmax_scale must be a finite positive number (or None for 1/sqrt(headdim)), "
+            f"got {softmax_scale}"
+        )
 
 
 def _check_devices(tensors):
@@ -129,77 +213,21 @@ def _check_devices(tensors):
 
 
 def prepare_dout(dout, out):
-    """dout as the backward kernels need it: out's dtype, shape and device, last dim
-    contiguous, other strides multiples of 16 bytes (TMA). Autograd hands over whatever
-    the next op produced (an expanded stride-0 tensor after .sum(), say); such a tensor
-    is packed into a fresh copy rather than rejected, since the user never chose it."""
+    """dout as the backward kernels need it: out's dtype, shape and device, laid out like a
+    TMA operand (_layout_problem). Autograd hands over whatever the next op produced (an
+    expanded stride-0 tensor after .sum(), say); such a tensor is packed into a fresh copy
+    rather than rejected, since the user never chose it."""
     if dout.dtype != out.dtype or dout.shape != out.shape or dout.device != out.device:
         raise ValueError(
             f"dout must match out (dtype {out.dtype}, shape {tuple(out.shape)}, device "
             f"{out.device}); got dtype {dout.dtype}, shape {tuple(dout.shape)}, device {dout.device}"
         )
-    strides = dout.stride()
-    if strides[-1] != 1 or any(s % _ALIGN_ELEMS for s in strides[:-1]) or dout.data_ptr() % _ALIGN_BYTES:
+    # every kernel-written out has a policy; a stand-in launcher's (float32 in the CPU
+    # tests) gets the default one of its dtype
+    policy = DTYPE_OF_INPUT.get(dout.dtype) or DtypePolicy("", dout.dtype, dout.dtype, dout.dtype)
+    if _layout_problem("dout", dout, policy):
         dout = dout.clone(memory_format=torch.contiguous_format)
     return dout
-
-
-def _check_shapes(q, k, v):
-    b, sq, h, d = q.shape
-    for name, t in (("k", k), ("v", v)):
-        for axis, label in ((0, "batch"), (3, "headdim")):
-            if t.shape[axis] != q.shape[axis]:
-                raise ValueError(
-                    f"{name} {label} must equal q {label} ({q.shape[axis]}), got "
-                    f"{t.shape[axis]} (q shape {tuple(q.shape)}, {name} shape {tuple(t.shape)})"
-                )
-    if v.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"v seqlen must equal k seqlen ({k.shape[1]}), got {v.shape[1]}"
-        )
-    for name, value in (("q batch", b), ("q nheads", h), ("q seqlen", sq), ("k seqlen", k.shape[1])):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    validate_gqa_heads(q, k, v)
-
-
-def _check_layout(name, t):
-    strides = t.stride()
-    if strides[-1] != 1:
-        raise ValueError(
-            f"{name} must be contiguous in the last dimension, got strides {strides}; "
-            "call .contiguous()"
-        )
-    if any(s % _ALIGN_ELEMS for s in strides[:-1]):
-        raise ValueError(
-            f"{name} strides must be multiples of {_ALIGN_ELEMS} elements "
-            f"({_ALIGN_BYTES} bytes, a TMA requirement), got strides {strides}; "
-            f"{_COPY_HINT}"
-        )
-    if t.data_ptr() % _ALIGN_BYTES:
-        raise ValueError(
-            f"{name} data pointer must be {_ALIGN_BYTES}-byte aligned (a TMA requirement), "
-            f"got address {t.data_ptr():#x} (storage offset {t.storage_offset()}); "
-            f"{_COPY_HINT}"
-        )
-
-
-def _check_scale(softmax_scale):
-    if softmax_scale is None:
-        return
-    # bool is an int subclass but never a meaningful scale; tensors would force a sync.
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(
-            "softmax_scale must be None or a Python float/int, "
-            f"got {type(softmax_scale).__name__}"
-        )
-    # positive: the kernel takes each row's max over raw scores and scales it after,
-    # which is the max of the scaled scores only when the scale is positive
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(
-            f"softmax_scale must be a finite positive number (or None for 1/sqrt(headdim)), "
-            f"got {softmax_scale}"
-        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -225,21 +253,9 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is None:
             raise TypeError(f"{name} must be a Python int (the longest sequence), got None")
-    tensors = dict(zip(_NAMES, (q, k, v)))
-    if q.dtype not in _DTYPES:
-        hint = "; cast with .to(torch.bfloat16) or .half()" if q.dtype == torch.float32 else ""
-        raise TypeError(f"q must be torch.float16 or torch.bfloat16, got {q.dtype}{hint}")
-    for name in ("k", "v"):
-        if tensors[name].dtype != q.dtype:
-            raise TypeError(
-                f"{name} must have the same dtype as q ({q.dtype}), got {tensors[name].dtype}"
-            )
-    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q headdim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
-    for name, t in tensors.items():
-        _check_layout(name, t)
-    _check_scale(softmax_scale)
-    _check_devices({**tensors, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    policy = _check_dtypes(q, k, v)
+    _check_operands(dict(zip(_NAMES, (q, k, v))), policy, softmax_scale,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if check_cu_seqlens is False:
         return batch
     capturing = _capturing_cuda_graph()
@@ -341,9 +357,8 @@ def validate_gqa_heads(q, k, v):
     headdim) layout and the packed varlen (total, nheads, headdim) one alike. k and v
     must have the same number of heads, which must divide q's (GQA; 1 head is MQA).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in zip(_NAMES, (q, k, v)):
+        _check_is_tensor(name, t)
         if t.dim() < 3:
             raise ValueError(
                 f"{name} must have a heads dimension (dim -2), got shape {tuple(t.shape)}"
@@ -372,34 +387,21 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     The values (start at 0, non-decreasing, end at total_q / total_k, the max_seqlens at
     least the longest sequence) need the tensors on the host. check_values=None checks them
     only when cu_seqlens are on the CPU, so a launch path never synchronises; True checks
-    them anywhere (one device sync per tensor), False never. dtype, strides and the device
-    capability are the dense checks' business (validate_fwd_inputs) and are not repeated.
+    them anywhere (one device sync per tensor), False never. dtype, head dim, strides and
+    the device capability are validate_varlen_fwd_inputs' business (the checks it shares
+    with validate_fwd_inputs).
     """
-    tensors = {"q": q, "k": k, "v": v}
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(
-                f"{name} must have shape (total_tokens, nheads, headdim) for varlen, "
-                f"got shape {tuple(t.shape)} ({t.dim()} dims)"
-            )
-    if v.shape[0] != k.shape[0]:
-        raise ValueError(
-            f"v total tokens must equal k total tokens ({k.shape[0]}), got {v.shape[0]}"
-        )
-    for name in ("k", "v"):
-        if tensors[name].shape[2] != q.shape[2]:
-            raise ValueError(
-                f"{name} headdim must equal q headdim ({q.shape[2]}), "
-                f"got {tensors[name].shape[2]}"
-            )
+    for name, t in zip(_NAMES, (q, k, v)):
+        _check_is_tensor(name, t)
+        _check_rank(name, t, 3, _VARLEN_SHAPE)
+    _check_equal("v", "total tokens", v.shape[0], k.shape[0], ref="k")
+    for name, t in (("k", k), ("v", v)):
+        _check_equal(name, "headdim", t.shape[2], q.shape[2])
     validate_gqa_heads(q, k, v)
 
     cu = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     for name, t in cu.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check_is_tensor(name, t)
         if t.dtype != torch.int32:
             raise TypeError(
                 f"{name} must be torch.int32, got {t.dtype}; cast with .to(torch.int32)"

@@ -12,11 +12,8 @@ from cute_attn.reference import attention_ref
 from cute_attn.validation import prepare_dout
 
 
-def _ref_kwargs(causal, softmax_scale, features, args):
+def _ref_kwargs(features, args):
     """attention_ref's keywords for what the launcher was asked to compute."""
-    if features is None or args is None:
-        causal = causal or (features is not None and features.mask == "causal")
-        return dict(causal=causal, softmax_scale=softmax_scale, window_size=(-1, -1), softcap=0.0)
     left, right = (-1 if w == UNBOUNDED else w for w in args.window)
     window = (left, right) if features.mask == "local" else (-1, -1)
     return dict(causal=features.mask == "causal", softmax_scale=args.softmax_scale,
@@ -27,16 +24,15 @@ class FakeLauncher:
     def __init__(self):
         self.bwd_calls = []
 
-    def run_fwd(self, q, k, v, *, causal=False, softmax_scale, features=None, args=None):
-        kwargs = _ref_kwargs(causal, softmax_scale, features, args)
+    def run_fwd(self, q, k, v, features, args, config=None):
+        kwargs = _ref_kwargs(features, args)
         out, lse = attention_ref(q, k, v, **kwargs)
         return out.to(q.dtype), lse
 
-    def run_bwd(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale, features=None,
-                args=None, deterministic):
-        kwargs = _ref_kwargs(causal, softmax_scale, features, args)
+    def run_bwd(self, dout, q, k, v, out, lse, features, args, deterministic=False, config=None):
+        kwargs = _ref_kwargs(features, args)
         self.bwd_calls.append(dict(dout=dout, out=out, lse=lse, causal=kwargs["causal"],
-                                   softmax_scale=softmax_scale, deterministic=deterministic,
+                                   softmax_scale=args.softmax_scale, deterministic=deterministic,
                                    kwargs=kwargs))
         with torch.enable_grad():
             q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from cute_attn.validation import SUPPORTED_HEAD_DIMS
+from cute_attn.config import CAPABILITIES, AttnFeatures
 
 pytest.importorskip("cutlass", reason="the CuTe DSL (nvidia-cutlass-dsl) is not installed")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -20,7 +20,7 @@ def _cached_compiler(compile_artifacts):
     def get(dtype, head_dim, causal):
         key = (dtype, head_dim, causal)
         if key not in cache:
-            cache[key] = compile_artifacts(dtype, head_dim, causal)
+            cache[key] = compile_artifacts(dtype, head_dim, AttnFeatures(mask="causal" if causal else "none"))
         return cache[key]
 
     return get
@@ -32,7 +32,7 @@ def compiled():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", CAPABILITIES["fwd"].head_dims)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_forward_compiles_with_hopper_instructions(compiled, dtype, head_dim, causal):
     art = compiled(dtype, head_dim, causal)
@@ -78,7 +78,7 @@ def test_cli_prints_ptx(tmp_path, capsys):
 
 # ---- backward: preprocess, main kernel, postprocess ----
 
-from cute_attn.config import BWD_HEAD_DIMS  # noqa: E402
+BWD_HEAD_DIMS = CAPABILITIES["bwd"].head_dims
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +118,10 @@ def test_backward_has_no_register_spills(compiled_bwd, head_dim):
 
 def test_deterministic_backward_orders_dq_with_turn_counters():
     from cute_attn import launcher
-    from cute_attn.config import AttnFeatures, choose_bwd_config
+    from cute_attn.config import bwd_config_for
 
     causal = AttnFeatures(mask="causal")
-    key = launcher.BwdKey("bf16", 128, causal, choose_bwd_config(128, True), deterministic=True)
+    key = launcher.BwdKey("bf16", 128, causal, bwd_config_for(128, causal), deterministic=True)
     main = launcher.compile_bwd(key, "--keep-ptx")[1]
     text = main.__ptx__
     assert "ld.acquire.gpu.global" in text and "red.release.gpu.global.add" in text
@@ -140,8 +140,6 @@ def test_cli_prints_backward_ptx(tmp_path, capsys):
 
 
 # ---- the feature specialisations: sliding window, softcap, varlen (GQA needs none) ----
-
-from cute_attn.config import AttnFeatures  # noqa: E402
 
 FEATURES = [
     AttnFeatures(mask="local"),
@@ -248,12 +246,54 @@ def test_packed_gqa_forward_compiles_with_a_two_level_row_mode(mask):
 
 # ---- the backward tile choice measured in perf/NOTES.md (session 4) ----
 
-from cute_attn.config import choose_bwd_config  # noqa: E402
+from cute_attn.config import bwd_config_for  # noqa: E402
 
 
 def test_backward_head_dim_64_takes_128_query_rows_unless_window_or_softcap():
-    assert choose_bwd_config(64, causal=False).tile_m == 128
-    assert choose_bwd_config(64, causal=True).tile_m == 128
-    assert choose_bwd_config(64, causal=True, local=True).tile_m == 64
-    assert choose_bwd_config(64, causal=False, softcap=True).tile_m == 64
-    assert choose_bwd_config(128, causal=False).tile_m == 64
+    assert bwd_config_for(64, AttnFeatures()).tile_m == 128
+    assert bwd_config_for(64, AttnFeatures(mask="causal")).tile_m == 128
+    assert bwd_config_for(64, AttnFeatures(mask="local")).tile_m == 64
+    assert bwd_config_for(64, AttnFeatures(softcap=True)).tile_m == 64
+    assert bwd_config_for(128, AttnFeatures()).tile_m == 64
+
+
+# ---- split-KV: the scheduler's split index and BlockRange's clipping (issue 18) ----
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+def test_split_kv_forward_compiles_and_clips_the_kv_range(mask):
+    """num_splits > 1 has its slot in the forward (the work tile's split, BlockRange's
+    clipping) before the combine kernel exists: it compiles spill-free, and its PTX
+    divides the block index by num_splits and the KV range into per-split slices, which
+    the num_splits = 1 kernel does not."""
+    import dataclasses
+
+    from cute_attn import launcher
+    from cute_attn.config import fwd_config_for
+
+    features = AttnFeatures(mask=mask)
+    base = fwd_config_for(128, features)
+    split = launcher.compile_fwd(
+        launcher.FwdKey("bf16", 128, features, dataclasses.replace(base, num_splits=3)), "--keep-ptx"
+    ).__ptx__
+    single = launcher.compile_fwd(launcher.FwdKey("bf16", 128, features, base), "--keep-ptx").__ptx__
+    # bid / 3 and bid % 3 become a multiply-high by the magic reciprocal of 3
+    assert "mul.hi" in split and len(split) > len(single)
+    report = ptx_tool.ptxas_report(split)
+    if "ptxas not found" not in report:
+        m = re.search(r"(\d+) bytes spill stores", report)
+        assert m and int(m.group(1)) == 0, report
+
+
+def test_launcher_refuses_split_kv_until_the_combine_kernel_exists():
+    import dataclasses
+
+    import torch
+
+    from cute_attn import launcher
+    from cute_attn.config import RunArgs, fwd_config_for
+
+    q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
+    cfg = dataclasses.replace(fwd_config_for(128, AttnFeatures()), num_splits=2)
+    with pytest.raises(NotImplementedError, match="num_splits"):
+        launcher.run_fwd(q, q, q, AttnFeatures(), RunArgs(0.1), config=cfg)

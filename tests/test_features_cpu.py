@@ -280,6 +280,51 @@ def test_mha_varlen_bad_argument(monkeypatch, setup, name, new, exc, msg):
         _call_varlen(args, causal=True, window_size=(8, 0), softcap=5.0)
 
 
+def _rows_of(t, width):
+    """t's values in rows of width elements (a view of a wider buffer)."""
+    buf = torch.zeros(*t.shape[:-1], width, dtype=t.dtype)
+    buf[..., :t.shape[-1]] = t
+    return buf[..., :t.shape[-1]]
+
+
+def _shifted(t):
+    """t's values at a 2-byte storage offset (strides unchanged)."""
+    return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
+
+
+# The checks mha_varlen shares with mha (one copy in validation), on packed tensors:
+# (id, edit of the valid arguments, mha_varlen keywords, exception, message).
+BAD_VARLEN_OPERANDS = [
+    ("q-fp32", dict(q=lambda t: t.float()), {}, TypeError,
+     r"q must be torch.float16 or torch.bfloat16, got torch.float32; cast"),
+    ("v-fp16", dict(v=lambda t: t.half()), {}, TypeError,
+     r"v must have the same dtype as q \(torch.bfloat16\), got torch.float16"),
+    ("headdim-80", {n: (lambda t: t.new_zeros(*t.shape[:-1], 80)) for n in "qkv"}, {}, ValueError,
+     r"q headdim must be one of \(64, 96, 128, 192, 256\), got 80"),
+    ("k-last-dim-strided", dict(k=lambda t: torch.cat([t, t], -1)[..., ::2]), {}, ValueError,
+     r"k must be contiguous in the last dimension, got strides \(.*, 2\)"),
+    ("q-rows-of-68", dict(q=lambda t: _rows_of(t, 68)), {}, ValueError,
+     r"q strides must be multiples of 8 elements \(16 bytes, a TMA requirement\), got strides \(544, 68, 1\)"),
+    ("v-misaligned", dict(v=_shifted), {}, ValueError, r"v data pointer must be 16-byte aligned"),
+    ("scale-nan", {}, dict(softmax_scale=float("nan")), ValueError,
+     r"softmax_scale must be a finite positive number .*, got nan"),
+    ("scale-str", {}, dict(softmax_scale="0.1"), TypeError,
+     r"softmax_scale must be None or a Python float/int, got str"),
+]
+BAD_VARLEN_OPERANDS = [pytest.param(edit, kw, exc, msg, id=i) for i, edit, kw, exc, msg in BAD_VARLEN_OPERANDS]
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("edit, kwargs, exc, msg", BAD_VARLEN_OPERANDS)
+def test_mha_varlen_bad_operands(monkeypatch, setup, edit, kwargs, exc, msg):
+    args = _varlen()
+    for name, f in edit.items():
+        args[name] = f(args[name])
+    args = _varlen_on(setup, monkeypatch, args)
+    with pytest.raises(exc, match=msg):
+        _call_varlen(args, causal=True, **kwargs)
+
+
 @pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("kwargs, exc, msg", BAD_KWARGS)
 def test_mha_varlen_bad_feature_argument(monkeypatch, setup, kwargs, exc, msg):

@@ -17,9 +17,8 @@ import torch
 from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401 (fixture)
 
 import cute_attn
-from cute_attn.config import BWD_HEAD_DIMS
+from cute_attn.config import CAPABILITIES
 from cute_attn.reference import attention_ref
-from cute_attn.validation import SUPPORTED_HEAD_DIMS
 
 pytestmark = pytest.mark.gpu
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -166,4 +165,4 @@ def test_deterministic_is_bit_identical(causal):
 
 
 def test_backward_covers_every_forward_head_dim():
-    assert set(BWD_HEAD_DIMS) == set(SUPPORTED_HEAD_DIMS)
+    assert set(CAPABILITIES["bwd"].head_dims) == set(CAPABILITIES["fwd"].head_dims)

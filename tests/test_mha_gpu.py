@@ -13,8 +13,8 @@ import torch
 from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401 (fixture)
 
 import cute_attn
+from cute_attn.config import CAPABILITIES
 from cute_attn.reference import attention_ref
-from cute_attn.validation import SUPPORTED_HEAD_DIMS
 
 pytestmark = pytest.mark.gpu
 
@@ -36,15 +36,16 @@ PAIRS = [
     (129, 128), (129, 17), (1000, 1000), (1000, 1), (4096, 4096), (4096, 129),
 ]
 SUBSET = [(1, 17), (128, 129), (1000, 129), (4096, 4096)]
-MAIN_DIMS = [d for d in (64, 128) if d in SUPPORTED_HEAD_DIMS]
-OTHER_DIMS = [d for d in SUPPORTED_HEAD_DIMS if d not in MAIN_DIMS]
+HEAD_DIMS = CAPABILITIES["fwd"].head_dims
+MAIN_DIMS = [d for d in (64, 128) if d in HEAD_DIMS]
+OTHER_DIMS = [d for d in HEAD_DIMS if d not in MAIN_DIMS]
 BF16, FP16 = torch.bfloat16, torch.float16
 
 # Full matrix: bf16, headdim 128, every pair, batch (1, 3) x nheads (1, 16).
 FULL = [(BF16, 128, b, h, sq, sk) for b in (1, 3) for h in (1, 16) for sq, sk in PAIRS]
 # Subset: other dtype / head dim combos, batch 3 x nheads 16, the SUBSET pairs.
 COMBOS = [(FP16, 128), (BF16, 64), (FP16, 64)] + [(BF16, d) for d in OTHER_DIMS]
-PARTIAL = [(dt, d, 3, 16, sq, sk) for dt, d in COMBOS if d in SUPPORTED_HEAD_DIMS
+PARTIAL = [(dt, d, 3, 16, sq, sk) for dt, d in COMBOS if d in HEAD_DIMS
            for sq, sk in SUBSET]
 
 

@@ -6,6 +6,7 @@ reads `.device` for those checks, so this tests the decision logic honestly; the
 real `_device_capability` is covered by the gpu-marked test at the end.
 """
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -16,12 +17,12 @@ import pytest
 import torch
 
 import cute_attn
-from cute_attn import validation
+from cute_attn import config, validation
 from cute_attn.validation import (
-    SUPPORTED_HEAD_DIMS,
     validate_fwd_inputs,
     validate_gqa_heads,
     validate_softcap,
+    validate_varlen_fwd_inputs,
     validate_varlen_inputs,
     validate_window_size,
 )
@@ -195,7 +196,7 @@ def test_good_softmax_scale_reaches_device_check(scale):
         validate_fwd_inputs(*_qkv(), scale)
 
 
-@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("d", config.CAPABILITIES["fwd"].head_dims)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cpu_tensors_rejected(d, dtype):
     with pytest.raises(ValueError, match=r"q " + CPU_ERROR):
@@ -267,8 +268,8 @@ def test_mha_raises_before_launcher(monkeypatch, case):
 def test_mha_calls_launcher(monkeypatch, causal, scale):
     calls = []
 
-    def run_fwd(q, k, v, *, causal, softmax_scale):
-        calls.append((causal, softmax_scale))
+    def run_fwd(q, k, v, features, args, config=None):
+        calls.append((features.mask == "causal", args.softmax_scale))
         return "out", "lse"
 
     _fake_launcher(monkeypatch, run_fwd)
@@ -475,3 +476,47 @@ def test_varlen_values_on_gpu_only_when_asked():
     assert validate_varlen_inputs(q_cpu, k, v, bad_q, cu_k, check_values=False) == 3
     with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
         validate_varlen_inputs(q_cpu, k, v, bad_q, cu_k)
+
+
+# --- what is accepted comes from cute_attn.config, for mha and mha_varlen alike -----------
+
+def _fwd_inputs(varlen, d=64, dtype=torch.bfloat16, pad=0):
+    """validate_fwd_inputs's or validate_varlen_fwd_inputs's arguments (CPU tensors, rows
+    of d + pad elements), as a function of the scale."""
+    if varlen:
+        q, k, v, cu_q, cu_k = _varlen(d=d + pad)
+        q, k, v = (t.to(dtype)[..., :d] for t in (q, k, v))
+        return lambda scale: validate_varlen_fwd_inputs(q, k, v, cu_q, cu_k, 5, 5, scale)
+    q, k, v = (t.to(dtype)[..., :d] for t in _qkv(d=d + pad))
+    return lambda scale: validate_fwd_inputs(q, k, v, scale)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dtypes_and_head_dims_come_from_the_capability_table(monkeypatch, varlen):
+    monkeypatch.setitem(config.CAPABILITIES, "fwd", config.Capability(head_dims=(128,), dtypes=("bf16",)))
+    with pytest.raises(TypeError, match=r"q must be torch.bfloat16, got torch.float16$"):
+        _fwd_inputs(varlen, d=128, dtype=torch.float16)(None)
+    with pytest.raises(ValueError, match=re.escape("q headdim must be one of (128,), got 64")):
+        _fwd_inputs(varlen, d=64)(None)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        _fwd_inputs(varlen, d=128)(None)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_alignment_in_elements_follows_the_dtype(monkeypatch, varlen):
+    """16 bytes are 8 elements of a 2-byte dtype and 16 of a 1-byte one: with an FP8
+    policy in the table, rows of 72 elements are TMA-aligned in bf16 but not in FP8."""
+    assert all(p.align_elems * p.input.itemsize == p.align_bytes == 16 for p in config.DTYPES.values())
+    fp8 = config.DtypePolicy("fp8", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16)
+    monkeypatch.setitem(config.DTYPES, "fp8", fp8)
+    monkeypatch.setitem(config.DTYPE_OF_INPUT, fp8.input, fp8)
+    fwd = config.CAPABILITIES["fwd"]
+    monkeypatch.setitem(config.CAPABILITIES, "fwd", dataclasses.replace(fwd, dtypes=(*fwd.dtypes, "fp8")))
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        _fwd_inputs(varlen, pad=8)(None)
+    with pytest.raises(ValueError, match=r"q strides must be multiples of 16 elements \(16 bytes, a TMA requirement\)"):
+        _fwd_inputs(varlen, dtype=torch.float8_e4m3fn, pad=8)(None)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        _fwd_inputs(varlen, dtype=torch.float8_e4m3fn, pad=16)(None)
+    with pytest.raises(TypeError, match=r"q must be torch.float16 or torch.bfloat16 or torch.float8_e4m3fn, got torch.float32"):
+        _fwd_inputs(varlen, dtype=torch.float32)(None)

@@ -1,3 +1,6 @@
-"""Device building blocks shared by the attention kernels (forward now; backward and
-decode later): WGMMA helpers, the online softmax, masks, sequence-length info, KV block
-ranges, the tile scheduler and the named-barrier registry."""
+"""Device building blocks shared by every kernel family (forward, backward and its pre-
+and postprocess; decode, FP8 and masks to come): the tile scheduler, sequence-length
+info, KV / query block ranges, masks, the online softmax and score scaling, TMA
+pipelines, WGMMA helpers, epilogue stores, global-memory views, the dQ accumulator
+layout, bulk copies, semaphores and the named-barrier registry. kernels/__init__.py maps
+which kernel uses which."""

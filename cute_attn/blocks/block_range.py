@@ -6,6 +6,9 @@ window (the causal diagonal) or its left edge are masked; the ones between are n
 Backward, the other way round: a KV tile visits the query blocks [m_min, m_max) that see
 one of its keys, masked likewise near both edges.
 
+Split-KV (the forward with num_splits > 1): split s of a query tile walks the s-th of
+num_splits equal slices of [n_min, n_max) (the last ones may be short or empty).
+
 Bottom-right alignment throughout: with offset = seqlen_k - seqlen_q, query i sees key j
 iff i + offset - left <= j <= i + offset + right (each side only if the kind bounds it).
 """
@@ -20,12 +23,14 @@ from cute_attn.blocks.staged import Staged
 
 
 class BlockRange(Staged):
-    def __init__(self, tile_m: int, tile_n: int, window: Window, pack_gqa: int = 1):
+    def __init__(self, tile_m: int, tile_n: int, window: Window, pack_gqa: int = 1, num_splits: int = 1):
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.window = window
         # forward with packed GQA: a tile's row r is query r // pack_gqa (see FwdConfig)
         self.pack_gqa = pack_gqa
+        # forward split-KV: CTAs per query tile, each taking a slice of its KV blocks
+        self.num_splits = num_splits
 
     def _first_query(self, m_block):
         return m_block * self.tile_m // self.pack_gqa
@@ -36,8 +41,9 @@ class BlockRange(Staged):
     # -- forward: one query block, a range of KV blocks ------------------------------------
 
     @cute.jit
-    def n_block_min_max(self, seqlen: SeqlenInfo, m_block: Int32):
-        """[n_min, n_max): the KV blocks that hold at least one key visible to the tile."""
+    def n_block_min_max(self, seqlen: SeqlenInfo, m_block: Int32, split: Int32 = 0):
+        """[n_min, n_max): the KV blocks that hold at least one key visible to the tile,
+        clipped to this split's slice of them."""
         w = self.window
         offset = seqlen.seqlen_k - seqlen.seqlen_q
         n_block_max = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
@@ -50,6 +56,11 @@ class BlockRange(Staged):
         if cutlass.const_expr(w.has_left):
             first_key = cutlass.max(self._first_query(m_block) + offset - w.left, 0)
             n_block_min = cutlass.min(first_key // self.tile_n, n_block_max)
+        if cutlass.const_expr(self.num_splits > 1):
+            per_split = cute.ceil_div(n_block_max - n_block_min, self.num_splits)
+            n_block_min = n_block_min + split * per_split
+            n_block_max = cutlass.min(n_block_min + per_split, n_block_max)
+            n_block_min = cutlass.min(n_block_min, n_block_max)
         return n_block_min, n_block_max
 
     @cute.jit

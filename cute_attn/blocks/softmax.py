@@ -10,6 +10,7 @@ is exp2(-inf) = 0, the row sum stays 0, and finalize() returns out = 0 and lse =
 """
 
 import math
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -17,6 +18,25 @@ from cutlass import Float32
 
 from cute_attn.blocks.mma_sm90 import acc_as_rows_cols
 from cute_attn.blocks.staged import Staged
+
+
+class ScoreScale(NamedTuple):
+    """How raw scores S = q k^T become the exponent of exp2, shared by every kernel that
+    forms a softmax (forward, backward, decode): the natural-log scale folded into one
+    log2(e) multiply, and with a softcap the tanh's pre-scale."""
+
+    softmax_scale: Float32  # the user's scale (the backward scales dK and dQ by it)
+    scale_log2: Float32  # exp2(S' * scale_log2 - max) with S' = S, or tanh(...) with softcap
+    softcap_pre: Float32  # softcap only: S' = tanh(S * softcap_pre)
+
+
+def fold_score_scale(softmax_scale: Float32, softcap: Float32, has_softcap: bool) -> ScoreScale:
+    """softmax(scale * S) = exp2(S * scale * log2(e) - ...); with a softcap the scores are
+    softcap * tanh(scale * S / softcap): tanh first (softcap_pre = scale / softcap), then
+    softcap * log2(e) in the exp2 (see softcap_scores)."""
+    if cutlass.const_expr(has_softcap):
+        return ScoreScale(softmax_scale, softcap * math.log2(math.e), softmax_scale / softcap)
+    return ScoreScale(softmax_scale, softmax_scale * math.log2(math.e), Float32(1.0))
 
 
 class OnlineSoftmax(Staged):

@@ -1,32 +1,63 @@
-"""Maps CTAs to (m_block, head, batch) work tiles.
+"""Maps CTAs to work tiles: the one place that writes a grid.
 
-One tile per CTA for now (grid = m_blocks x heads x batch). Causal tiles differ in cost:
-the last query blocks see the most keys, so they are launched first (longest-processing-
-time order) to shorten the tail. A persistent scheduler will replace this class without
-touching the kernels: they only call `tile()`.
+Every kernel (forward, backward, its pre- and postprocess, and the decode and combine
+kernels to come) builds a `TileScheduler` with its static shape of work and asks it for
+the launch grid on the host (`grid`) and for the CTA's `WorkTile` on the device (`tile`).
+
+A work tile is (block, head, batch, split):
+  * block: the tile's index along the sequence it walks: a query block (m_block) in the
+    forward, the preprocess and the postprocess; a KV block (n_block) in the backward.
+  * head, batch: as the kernel indexes its tensors (the backward: the KV head).
+  * split: which of `num_splits` CTAs sharing one block this is. The forward splits the
+    block's KV range (split-KV, clipped by blocks/block_range.py); the backward splits
+    head_dim (config.BwdConfig.d_slice); 0 when unsplit.
+
+One tile per CTA for now (grid = blocks * splits x heads x batch). Causal tiles differ in
+cost: the last query blocks see the most keys, so `longest_first` launches them first
+(longest-processing-time order) to shorten the tail. Variable-length batches size the
+block mode by the longest sequence; the kernels skip tiles past a shorter one's end. A
+persistent scheduler will replace this class without touching the kernels.
 """
+
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from cute_attn.blocks.staged import Staged
+
+class WorkTile(NamedTuple):
+    block: Int32
+    head: Int32
+    batch: Int32
+    split: Int32
 
 
-class SingleTileScheduler(Staged):
-    def __init__(self, longest_first: bool):
+class TileScheduler:
+    def __init__(self, tile_size: int, varlen: bool, num_splits: int = 1, longest_first: bool = False):
+        self.tile_size = tile_size  # rows (or keys) per block
+        self.varlen = varlen
+        self.num_splits = num_splits
         self.longest_first = longest_first
 
-    @staticmethod
-    def grid(num_m_blocks, num_heads, batch):
-        # variable-length batches size the first mode by the longest sequence; the
-        # kernels skip the tiles past a shorter sequence's end
-        return (num_m_blocks, num_heads, batch)
+    def grid(self, seqlen, num_heads, batch, cu_seqlens: cute.Tensor, max_seqlen):
+        """Launch grid. Dense: seqlen and batch from the tensor shapes. Varlen: the blocks
+        of the longest sequence (max_seqlen) for each of the len(cu_seqlens) - 1 sequences."""
+        if cutlass.const_expr(self.varlen):
+            num_blocks = cute.ceil_div(max_seqlen, self.tile_size)
+            batch = cute.size(cu_seqlens.shape[0]) - 1
+        else:
+            num_blocks = cute.ceil_div(seqlen, self.tile_size)
+        return (num_blocks * self.num_splits, num_heads, batch)
 
     @cute.jit
-    def tile(self):
-        bid_m, head, batch = cute.arch.block_idx()
-        m_block = bid_m
+    def tile(self) -> WorkTile:
+        bid, head, batch = cute.arch.block_idx()
+        num_blocks = cute.arch.grid_dim()[0]
+        block, split = bid, Int32(0)
+        if cutlass.const_expr(self.num_splits > 1):
+            block, split = bid // self.num_splits, bid % self.num_splits
+            num_blocks = num_blocks // self.num_splits
         if cutlass.const_expr(self.longest_first):
-            m_block = cute.arch.grid_dim()[0] - 1 - bid_m
-        return Int32(m_block), Int32(head), Int32(batch)
+            block = num_blocks - 1 - block
+        return WorkTile(Int32(block), Int32(head), Int32(batch), Int32(split))

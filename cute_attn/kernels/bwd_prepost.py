@@ -10,34 +10,36 @@ which makes their recomputed P exactly 0 (exp2(S - inf)); padding rows get D = 0
 then stand for the next sequence's queries, which a tile loads, and +inf keeps them out.
 
 BwdPostprocess, one CTA per query tile: dQ = softmax_scale * dQ_accum in the input dtype.
-dQ_accum holds each tile in the dQ WGMMA's fragment order (bwd_sm90.dq_accum_offset), so
-this kernel reads it back into that fragment, then writes it out as the forward writes O:
+dQ_accum holds each tile in the dQ WGMMA's fragment order (blocks/dq_accum.py), so this
+kernel reads it back into that fragment, then writes it out as the forward writes O:
 stmatrix into a swizzled shared tile, and 16-byte stores of whole rows.
 """
 
 import math
-from typing import Type
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 from cutlass import Float32, Int32
 
-from cute_attn.blocks import epilogue, mma_sm90
+from cute_attn.blocks import dq_accum, epilogue, mma_sm90
 from cute_attn.blocks.seqlen import SeqlenInfo
-from cute_attn.kernels.bwd_sm90 import dq_accum_offset, make_dq_mma
+from cute_attn.blocks.tile_scheduler import TileScheduler
+from cute_attn.blocks.views import bshd_as_sdhb
+from cute_attn.config import AttnFeatures, BwdConfig, DtypePolicy
 
 _ROWS_PER_WARP = 16
 
 
 class BwdPreprocess:
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int, varlen: bool = False):
-        self.dtype = dtype
+    def __init__(self, dtypes: DtypePolicy, head_dim: int, config: BwdConfig, features: AttnFeatures):
+        self.dtype = dtypes.dsl("input")
         self.head_dim = head_dim
-        self.tile_m = tile_m
-        self.varlen = varlen
-        assert tile_m % _ROWS_PER_WARP == 0 and head_dim % 32 == 0
-        self.num_warps = tile_m // _ROWS_PER_WARP
+        self.tile_m = config.tile_m
+        self.varlen = features.varlen
+        assert self.tile_m % _ROWS_PER_WARP == 0 and head_dim % 32 == 0
+        self.num_warps = self.tile_m // _ROWS_PER_WARP
+        self.scheduler = TileScheduler(self.tile_m, self.varlen)
 
     @cute.jit
     def __call__(
@@ -51,13 +53,9 @@ class BwdPreprocess:
         max_seqlen_q: Int32,  # varlen only
         stream,
     ):
-        if cutlass.const_expr(self.varlen):
-            num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
-            batch = cute.size(mCuSeqlensQ.shape[0]) - 1
-        else:
-            num_m_blocks = cute.ceil_div(cute.size(mLSE2.shape[2]), self.tile_m)
-            batch = cute.size(mLSE2.shape[0])
-        grid = (num_m_blocks, cute.size(mLSE2.shape[1]), batch)
+        grid = self.scheduler.grid(
+            cute.size(mO.shape[1]), cute.size(mLSE2.shape[1]), cute.size(mLSE2.shape[0]), mCuSeqlensQ, max_seqlen_q
+        )
         self.kernel(mO, mdO, mLSE, mLSE2, mD, mCuSeqlensQ).launch(
             grid=grid, block=[32 * self.num_warps, 1, 1], stream=stream
         )
@@ -67,7 +65,7 @@ class BwdPreprocess:
         self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
         mD: cute.Tensor, mCuSeqlensQ: cute.Tensor,
     ):
-        m_block, head, batch = cute.arch.block_idx()
+        m_block, head, batch, _ = self.scheduler.tile()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         seqlen = SeqlenInfo(
@@ -97,19 +95,18 @@ class BwdPreprocess:
 
 
 class BwdPostprocess:
-    def __init__(
-        self, dtype: Type[cutlass.Numeric], head_dim: int, tile_m: int, dq_warpgroups: int, d_slice: int,
-        varlen: bool = False,
-    ):
-        self.dtype = dtype
-        self.varlen = varlen
+    def __init__(self, dtypes: DtypePolicy, head_dim: int, config: BwdConfig, features: AttnFeatures):
+        self.dtype = dtypes.dsl("input")  # of the dQ MMA whose fragment order dQ_accum has
+        self.out_dtype = dtypes.dsl("output")
+        self.varlen = features.varlen
         self.head_dim = head_dim
         # one dQ_accum chunk per (query block, head_dim slice), as the main kernel writes them
-        self.d_slice = d_slice
-        self.num_d_slices = head_dim // d_slice
-        self.tile_m = tile_m
-        self.dq_wgs = dq_warpgroups  # the main kernel's dQ layout: see BwdConfig.dq_warpgroups
-        self.num_threads = 128 * dq_warpgroups
+        self.num_d_slices = config.num_d_slices(head_dim)
+        self.d_slice = head_dim // self.num_d_slices
+        self.tile_m = config.tile_m
+        self.dq_wgs = config.dq_warpgroups  # the main kernel's dQ layout: see BwdConfig.dq_warpgroups
+        self.num_threads = 128 * self.dq_wgs
+        self.scheduler = TileScheduler(self.tile_m, self.varlen, num_splits=self.num_d_slices)
 
     @cute.jit
     def __call__(
@@ -121,23 +118,19 @@ class BwdPostprocess:
         softmax_scale: Float32,
         stream,
     ):
-        tiled_mma_dq = make_dq_mma(self.dtype, self.d_slice, self.dq_wgs)
-        sdQ_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_m, self.d_slice)
+        tiled_mma_dq = dq_accum.make_dq_mma(self.dtype, self.d_slice, self.dq_wgs)
+        sdQ_layout = mma_sm90.make_smem_layout(self.out_dtype, self.tile_m, self.d_slice)
 
         @cute.struct
         class SharedStorage:
-            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        if cutlass.const_expr(self.varlen):
-            num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
-            batch = cute.size(mCuSeqlensQ.shape[0]) - 1
-        else:
-            num_m_blocks = cute.ceil_div(cute.size(mdQ.shape[1]), self.tile_m)
-            batch = cute.size(mdQ.shape[0])
-        grid = (num_m_blocks * self.num_d_slices, cute.size(mdQ.shape[2]), batch)
+        grid = self.scheduler.grid(
+            cute.size(mdQ.shape[1]), cute.size(mdQ.shape[2]), cute.size(mdQ.shape[0]), mCuSeqlensQ, max_seqlen_q
+        )
         # the kernel's view: (seqlen, head_dim, heads, batch), as the other kernels see it
-        mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
+        mdQ = bshd_as_sdhb(mdQ)
         self.kernel(mdQaccum, mdQ, mCuSeqlensQ, softmax_scale, tiled_mma_dq, sdQ_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
@@ -147,8 +140,7 @@ class BwdPostprocess:
         self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
         softmax_scale: Float32, tiled_mma_dq: cute.TiledMma, sdQ_layout: cute.ComposedLayout,
     ):
-        bid, head, batch = cute.arch.block_idx()
-        m_block, d_block = bid // self.num_d_slices, bid % self.num_d_slices
+        m_block, head, batch, d_block = self.scheduler.tile()
         tidx, _, _ = cute.arch.thread_idx()
         seqlen = SeqlenInfo(
             batch, mdQ.shape[0], mdQ.shape[0], mCuSeqlensQ, mCuSeqlensQ, self.varlen, tile_m_padded=self.tile_m
@@ -159,17 +151,17 @@ class BwdPostprocess:
         if not self.varlen or m_block * self.tile_m < seqlen.seqlen_q:
             # the main kernel's chunk of this (query block, head_dim slice), in the dQ
             # WGMMA's fragment order: read back into that fragment, each load coalesced
-            tile_idx = (seqlen.padded_m_block_offset + m_block) * self.num_d_slices + d_block
-            base = tile_idx * (self.tile_m * self.d_slice)
+            chunk = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block, d_block, self.num_d_slices)
+            base = chunk * (self.tile_m * self.d_slice)
             acc = cute.make_rmem_tensor(
                 tiled_mma_dq.get_slice(tidx).partition_shape_C((self.tile_m, self.d_slice)), Float32
             )
             for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = mdQaccum[seqlen.batch, head, base + dq_accum_offset(i, tidx, self.num_threads)]
+                acc[i] = mdQaccum[seqlen.batch, head, base + dq_accum.offset(i, tidx, self.num_threads)]
             # then out like the forward's O: scaled, converted, stmatrix to shared memory,
             # and 16-byte row stores (2-byte scattered stores from the fragment ran at a
             # fifth of the memory bandwidth: 315 us for 200 MB on an H100)
-            epilogue.acc_to_smem(acc, sdQ, tiled_mma_dq, tidx, self.dtype, scale=softmax_scale)
+            epilogue.acc_to_smem(acc, sdQ, tiled_mma_dq, tidx, self.out_dtype, scale=softmax_scale)
             cute.arch.sync_threads()
             gdQ = cute.local_tile(seqlen.rows_q(mdQ, head), (self.tile_m, self.d_slice), (m_block, d_block))
             epilogue.store_rows(sdQ, gdQ, seqlen.seqlen_q - m_block * self.tile_m, tidx, self.num_threads)

@@ -31,8 +31,8 @@ Barrier protocol per query block (named barriers, see blocks/barriers.py):
   writer:    wait DQ_FULL -> bulk reduce-add sdQ into dQ_accum -> wait until read -> arrive
              DQ_EMPTY
 dQ_accum is laid out per query tile in the order of the dQ WGMMA's accumulator fragments
-(see `dq_accum_offset`), so each thread's stores to sdQ are conflict-free and the reduce
-is one contiguous chunk; the postprocess undoes the permutation.
+(blocks/dq_accum.py), so each thread's stores to sdQ are conflict-free and the reduce is
+one contiguous chunk; the postprocess undoes the permutation.
 
 deterministic=True: the dQ writer of KV block n waits, per query block, until KV blocks
 0..n-1 have added theirs (a turn counter in global memory, blocks/semaphore.py), so the
@@ -59,13 +59,17 @@ Varlen (blocks/seqlen.py): tiles past a sequence's keys exit at once; LSE2, D an
 are padded per sequence to whole query tiles; dK and dV leave row by row (not by TMA) so
 a partial tile never writes into the next sequence.
 
-Constraints: head_dim in {64, 96, 128} (at 96 warpgroup 0 alone computes dQ, see
-BwdConfig.dq_warpgroups); fp16 or bf16 in, fp32 accumulation.
+Work tiles (blocks/tile_scheduler.py): block = the KV block, head = the KV head, split =
+the head_dim slice of dK/dV/dQ this CTA produces (head dims 192 and 256, see
+config.BwdConfig.d_slice; 0 otherwise).
+
+Constraints: config.CAPABILITIES["bwd"]: head dims 64, 96, 128 as described (at 96
+warpgroup 0 alone computes dQ, see BwdConfig.dq_warpgroups) and 192, 256 split over
+head_dim / 64 CTAs; fp16 or bf16 in, fp32 accumulation (config.DtypePolicy).
 Read the PTX without a GPU: python -m cute_attn ptx --kernel bwd --headdim 128 [--causal]
 """
 
-import math
-from typing import Type
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -75,47 +79,92 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from cute_attn.blocks import epilogue, mma_sm90, semaphore
+from cute_attn.blocks import dq_accum, epilogue, mma_sm90, semaphore
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.bulk_copy import bulk_load, bulk_reduce_add_f32
 from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
-from cute_attn.blocks.softmax import ColumnStat, probs_from_lse, softcap_scores
-from cute_attn.blocks.tile_scheduler import SingleTileScheduler
-from cute_attn.blocks.tma_pipeline import make_tma_pipeline
-from cute_attn.config import AttnFeatures, BwdConfig
-
-_PRODUCER_REGS, _MMA_REGS = 24, 240
-
-
-def make_dq_mma(dtype, head_dim: int, num_warpgroups: int) -> cute.TiledMma:
-    """dQ = dS K for one query tile: M = tile_m (64), N = head_dim split across the
-    warpgroups, K = tile_n; A (dS) is MN-major in smem, B (K^T) MN-major."""
-    return mma_sm90.make_tiled_mma(
-        dtype, OperandMajorMode.MN, head_dim // num_warpgroups, num_warpgroups,
-        a_major=OperandMajorMode.MN, warpgroups_along_n=True,
-    )
+from cute_attn.blocks.softmax import ColumnStat, ScoreScale, fold_score_scale, probs_from_lse, softcap_scores
+from cute_attn.blocks.tile_scheduler import TileScheduler, WorkTile
+from cute_attn.blocks.tma_pipeline import TmaTensor, make_tma_pipeline, make_tma_tensor, tma_partition
+from cute_attn.blocks.views import bshd_as_sdhb, rowwise_as_rhb
+from cute_attn.config import AttnFeatures, BwdConfig, DtypePolicy
 
 
-def dq_accum_offset(i: int, tidx, num_threads: int):
-    """Where accumulator register i of thread tidx lives in a dQ_accum tile chunk: pairs of
-    registers (adjacent columns) are interleaved across threads, so a warp's 8-byte stores
-    fill 256 contiguous bytes."""
-    return (i // 2) * (2 * num_threads) + tidx * 2 + (i % 2)
+class BwdGlobals(NamedTuple):
+    """Global memory as the kernel sees it (kernel-side views, see blocks/views.py)."""
+
+    q: TmaTensor
+    k: TmaTensor
+    v: TmaTensor
+    do: TmaTensor
+    dk: TmaTensor  # TMA stores of dense tiles
+    dv: TmaTensor
+    dk_rows: cute.Tensor  # dK, dV as plain tensors: varlen tiles leave row by row
+    dv_rows: cute.Tensor
+    lse2: cute.Tensor  # (padded rows, heads, batch) float32: LSE * log2(e)
+    dsum: cute.Tensor  # D = rowsum(dO * O), same shape
+    dq_accum: cute.Tensor  # (padded rows * head_dim, heads, batch) float32, blocks/dq_accum.py
+    dq_semaphore: cute.Tensor  # (padded m_blocks * d slices, heads, batch); deterministic only
+    cu_seqlens_q: cute.Tensor  # (batch + 1,) int32; varlen only
+    cu_seqlens_k: cute.Tensor
 
 
-def _tma_partition_one_cta(atom, s, g):
-    """TMA partition of a 2-D tile (no multicast): (shared, global) views."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+class BwdLayouts(NamedTuple):
+    """The static shared-memory layouts and tiled MMAs."""
+
+    sQ: cute.ComposedLayout  # (tile_m, head_dim, stages), also dO's
+    sK: cute.ComposedLayout  # (tile_n, head_dim), also V's
+    sdS: cute.ComposedLayout  # (tile_n, tile_m): dS^T, queries contiguous
+    sdKV: cute.ComposedLayout  # (tile_n, d_slice): dK, dV staged over sK, sV
+    mma_sdp: cute.TiledMma  # S^T = K Q^T and dP^T = V dO^T
+    mma_dkv: cute.TiledMma  # dV += P^T dO, dK += dS^T Q (A from registers)
+    mma_dq: cute.TiledMma  # dQ = dS K
+
+
+class BwdPipelines(NamedTuple):
+    kv: pipeline.PipelineTmaAsync  # K and V, loaded once
+    q: pipeline.PipelineTmaAsync  # Q with its LSE2 chunk, per query block
+    do: pipeline.PipelineTmaAsync  # dO with its D chunk
+
+
+class BwdSmem(NamedTuple):
+    q: cute.Tensor
+    do: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    ds: cute.Tensor
+    lse2: cute.Tensor  # (tile_m, stages)
+    dsum: cute.Tensor
+    dq: cute.Tensor  # one dQ tile (fp32) on its way to the dQ writer
+    dk: cute.Tensor  # the epilogue's views of sK and sV
+    dv: cute.Tensor
+
+
+class StepOperands(NamedTuple):
+    """A consumer warpgroup's WGMMA fragments and accumulators for the whole loop."""
+
+    tSrK: cute.Tensor
+    tSrQ: cute.Tensor
+    tdPrV: cute.Tensor
+    tdPrdO: cute.Tensor
+    tdVrdO: cute.Tensor
+    tdKrQ: cute.Tensor
+    tdQrdS: cute.Tensor
+    tdQrK: cute.Tensor
+    acc_dV: cute.Tensor
+    acc_dK: cute.Tensor
 
 
 class FlashBwdSm90:
     def __init__(
-        self, dtype: Type[cutlass.Numeric], head_dim: int, features: AttnFeatures, config: BwdConfig,
+        self, dtypes: DtypePolicy, head_dim: int, features: AttnFeatures, config: BwdConfig,
         deterministic: bool = False,
     ):
-        self.dtype = dtype
+        self.dtype = dtypes.dsl("input")
+        self.p_dtype = dtypes.dsl("p")
+        self.out_dtype = dtypes.dsl("output")
         self.deterministic = deterministic
         self.head_dim = head_dim
         self.features = features
@@ -125,11 +174,15 @@ class FlashBwdSm90:
         self.num_mma_wg = config.num_mma_warpgroups
         self.num_threads = config.num_threads
         self.num_mma_threads = 128 * self.num_mma_wg
+        self.producer_regs, self.mma_regs = config.registers
         self.dq_wgs = config.dq_warpgroups
         self.num_dq_threads = 128 * self.dq_wgs
         # the head_dim columns of dK, dV and dQ one CTA produces (see BwdConfig.d_slice)
-        self.d_slice = config.d_slice or head_dim
-        self.num_d_slices = head_dim // self.d_slice
+        self.num_d_slices = config.num_d_slices(head_dim)
+        self.d_slice = head_dim // self.num_d_slices
+        # one CTA per (KV block, head_dim slice, KV head, batch). n_block 0 sees the most
+        # query blocks under a causal mask, and grid order already launches it first.
+        self.scheduler = TileScheduler(self.tile_n, features.varlen, num_splits=self.num_d_slices)
 
     @cute.jit
     def __call__(
@@ -153,42 +206,39 @@ class FlashBwdSm90:
         window_right: Int32,
         stream,
     ):
-        to_sdhb = [1, 3, 2, 0]
-        mQ, mK, mV, mdO, mdK, mdV = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_sdhb))
-            for t in (mQ, mK, mV, mdO, mdK, mdV)
-        ]
-        mLSE2, mD, mdQaccum, mdQsemaphore = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
-            for t in (mLSE2, mD, mdQaccum, mdQsemaphore)
-        ]
+        mQ, mK, mV, mdO, mdK, mdV = [bshd_as_sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSE2, mD, mdQaccum, mdQsemaphore = [rowwise_as_rhb(t) for t in (mLSE2, mD, mdQaccum, mdQsemaphore)]
         d, wgs = self.head_dim, self.num_mma_wg
-        # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 keys x tile_m queries
-        tiled_mma_sdp = mma_sm90.make_tiled_mma(self.dtype, OperandMajorMode.K, self.tile_m, wgs)
-        # dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T / Q^T (head_dim contiguous)
-        tiled_mma_dkv = mma_sm90.make_tiled_mma(
-            self.dtype, OperandMajorMode.MN, self.d_slice, wgs, a_in_registers=True
+        layouts = BwdLayouts(
+            sQ=mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages),
+            sK=mma_sm90.make_smem_layout(self.dtype, self.tile_n, d),
+            # dS^T stored keys x queries with queries contiguous: read back MN-major as dS's A
+            sdS=mma_sm90.make_smem_layout(self.p_dtype, self.tile_n, self.tile_m),
+            # dK / dV leave through sK / sV, seen as tile_n x d_slice tiles
+            sdKV=mma_sm90.make_smem_layout(self.out_dtype, self.tile_n, self.d_slice),
+            # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 keys x tile_m queries
+            mma_sdp=mma_sm90.make_tiled_mma(self.dtype, OperandMajorMode.K, self.tile_m, wgs),
+            # dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T / Q^T (head_dim contiguous)
+            mma_dkv=mma_sm90.make_tiled_mma(
+                self.p_dtype, OperandMajorMode.MN, self.d_slice, wgs, a_in_registers=True
+            ),
+            mma_dq=dq_accum.make_dq_mma(self.p_dtype, self.d_slice, self.dq_wgs),
         )
-        tiled_mma_dq = make_dq_mma(self.dtype, self.d_slice, self.dq_wgs)
-
-        sQ_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages)
-        sK_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, d)
-        # dS^T stored keys x queries with queries contiguous: read back MN-major as dS's A
-        sdS_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, self.tile_m)
-        # dK / dV leave through sK / sV, seen as tile_n x d_slice tiles
-        sdKV_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, self.d_slice)
-
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        q_tile = cute.select(sQ_layout, mode=[0, 1])
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile, (self.tile_m, d), 1)
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(load_op, mdO, q_tile, (self.tile_m, d), 1)
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, sK_layout, (self.tile_n, d))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, sK_layout, (self.tile_n, d))
+        q_tile = cute.select(layouts.sQ, mode=[0, 1])
         dkv_tile = (self.tile_n, self.d_slice)
-        tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store_op, mdK, sdKV_layout, dkv_tile)
-        tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store_op, mdV, sdKV_layout, dkv_tile)
+        g = BwdGlobals(
+            q=make_tma_tensor(load_op, mQ, q_tile, (self.tile_m, d)),
+            k=make_tma_tensor(load_op, mK, layouts.sK, (self.tile_n, d)),
+            v=make_tma_tensor(load_op, mV, layouts.sK, (self.tile_n, d)),
+            do=make_tma_tensor(load_op, mdO, q_tile, (self.tile_m, d)),
+            dk=make_tma_tensor(store_op, mdK, layouts.sdKV, dkv_tile),
+            dv=make_tma_tensor(store_op, mdV, layouts.sdKV, dkv_tile),
+            dk_rows=mdK, dv_rows=mdV, lse2=mLSE2, dsum=mD, dq_accum=mdQaccum, dq_semaphore=mdQsemaphore,
+            cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK,
+        )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, q_tile) + self.tile_m * 4
-        self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, sK_layout)
+        self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, layouts.sK)
 
         @cute.struct
         class SharedStorage:
@@ -198,90 +248,60 @@ class FlashBwdSm90:
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.d_slice], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.p_dtype, cute.cosize(layouts.sdS)], 1024]
 
         self.shared_storage = SharedStorage
 
-        if cutlass.const_expr(self.features.varlen):
-            num_n_blocks = cute.ceil_div(max_seqlen_k, self.tile_n)
-            batch = cute.size(mCuSeqlensQ.shape[0]) - 1
-        else:
-            num_n_blocks = cute.ceil_div(cute.size(mK.shape[0]), self.tile_n)
-            batch = cute.size(mK.shape[3])
-        # one CTA per (KV block, head_dim slice, KV head, batch)
-        grid = SingleTileScheduler.grid(num_n_blocks * self.num_d_slices, cute.size(mK.shape[2]), batch)
-        if cutlass.const_expr(self.features.softcap):
-            scale_log2 = softcap * math.log2(math.e)
-            softcap_pre = softmax_scale / softcap
-        else:
-            scale_log2 = softmax_scale * math.log2(math.e)
-            softcap_pre = Float32(1.0)
-        self.kernel(
-            tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mdK, mdV, mLSE2, mD, mdQaccum, mdQsemaphore,
-            mCuSeqlensQ, mCuSeqlensK,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV,
-            softmax_scale, scale_log2, softcap_pre, window_left, window_right,
-            sQ_layout, sK_layout, sdS_layout, sdKV_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        grid = self.scheduler.grid(
+            cute.size(mK.shape[0]), cute.size(mK.shape[2]), cute.size(mK.shape[3]), mCuSeqlensQ, max_seqlen_k
+        )
+        score = fold_score_scale(softmax_scale, softcap, self.features.softcap)
+        self.kernel(g, layouts, score, window_left, window_right).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1
+        )
 
     @cute.kernel
     def kernel(
-        self,
-        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-        mdK: cute.Tensor, mdV: cute.Tensor, mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,
-        mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdQsemaphore: cute.Tensor,
-        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
-        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
-        tma_atom_dO: cute.CopyAtom, tma_atom_dK: cute.CopyAtom, tma_atom_dV: cute.CopyAtom,
-        softmax_scale: Float32,
-        scale_log2: Float32,
-        softcap_pre: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        sdKV_layout: cute.ComposedLayout,
-        tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dkv: cute.TiledMma,
-        tiled_mma_dq: cute.TiledMma,
+        self, g: BwdGlobals, layouts: BwdLayouts, score: ScoreScale, window_left: Int32, window_right: Int32
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV):
-                cpasync.prefetch_descriptor(atom)
+            for t in (g.q, g.k, g.v, g.do, g.dk, g.dv):
+                cpasync.prefetch_descriptor(t.atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        pipeline_kv = make_tma_pipeline(storage.mbar_kv.data_ptr(), 1, self.tma_bytes_kv, self.num_mma_threads)
-        pipeline_q = make_tma_pipeline(storage.mbar_q.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads)
-        pipeline_do = make_tma_pipeline(storage.mbar_do.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads)
+        pipes = BwdPipelines(
+            kv=make_tma_pipeline(storage.mbar_kv.data_ptr(), 1, self.tma_bytes_kv, self.num_mma_threads),
+            q=make_tma_pipeline(storage.mbar_q.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads),
+            do=make_tma_pipeline(storage.mbar_do.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads),
+        )
         pipeline_init_arrive(is_relaxed=True)
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         stats_layout = cute.make_layout((self.tile_m, self.num_stages))
-        sLSE2 = storage.sLSE2.get_tensor(stats_layout)
-        sD = storage.sD.get_tensor(stats_layout)
-        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.d_slice))
-        # the epilogue's views of the K and V buffers
-        sdK = storage.sK.get_tensor(sdKV_layout.outer, swizzle=sdKV_layout.inner)
-        sdV = storage.sV.get_tensor(sdKV_layout.outer, swizzle=sdKV_layout.inner)
+        sQ_l, sK_l, sdS_l, sdKV_l = layouts.sQ, layouts.sK, layouts.sdS, layouts.sdKV
+        smem = BwdSmem(
+            q=storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner),
+            do=storage.sdO.get_tensor(sQ_l.outer, swizzle=sQ_l.inner),
+            k=storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner),
+            v=storage.sV.get_tensor(sK_l.outer, swizzle=sK_l.inner),
+            ds=storage.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner),
+            lse2=storage.sLSE2.get_tensor(stats_layout),
+            dsum=storage.sD.get_tensor(stats_layout),
+            dq=storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.d_slice)),
+            # the epilogue's views of the K and V buffers
+            dk=storage.sK.get_tensor(sdKV_l.outer, swizzle=sdKV_l.inner),
+            dv=storage.sV.get_tensor(sdKV_l.outer, swizzle=sdKV_l.inner),
+        )
 
-        # n_block 0 sees the most query blocks under a causal mask, and grid order already
-        # launches it first, so no reordering
-        scheduler = SingleTileScheduler(longest_first=False)
-        tile = self.tile(scheduler)
-        n_block, _, head_kv, batch = tile
+        tile = self.scheduler.tile()
+        mQ, mK = g.q.tensor, g.k.tensor
         seqlen = SeqlenInfo(
-            batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.features.varlen,
+            tile.batch, mQ.shape[0], mK.shape[0], g.cu_seqlens_q, g.cu_seqlens_k, self.features.varlen,
             tile_m_padded=self.tile_m,
         )
         window = Window(self.features.mask, window_left, window_right)
@@ -292,83 +312,72 @@ class FlashBwdSm90:
 
         # varlen: the grid covers the longest key sequence; a tile past this one's end
         # has no keys (uniform across the CTA)
-        if not self.features.varlen or n_block * self.tile_n < seqlen.seqlen_k:
+        if not self.features.varlen or tile.block * self.tile_n < seqlen.seqlen_k:
             if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+                cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
-                    self.produce(
-                        mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE2, sD,
-                        tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
-                        pipeline_kv, pipeline_q, pipeline_do, tile, group, block_range, seqlen,
-                    )
+                    self.produce(g, smem, pipes, tile, group, block_range, seqlen)
                 if warp_idx == 1:
-                    self.write_dq(mdQaccum, mdQsemaphore, sdQ, tile, group, block_range, seqlen)
+                    self.write_dq(g, smem.dq, tile, group, block_range, seqlen)
             else:
-                cute.arch.setmaxregister_increase(_MMA_REGS)
-                self.consume(
-                    mdK, mdV, mdK_rows, mdV_rows, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, sdK, sdV,
-                    tma_atom_dK, tma_atom_dV, pipeline_kv, pipeline_q, pipeline_do,
-                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tile, group, block_range, seqlen,
-                    window, softmax_scale, scale_log2, softcap_pre, tidx - 128,
-                )
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.consume(g, layouts, smem, pipes, tile, group, block_range, seqlen, window, score, tidx - 128)
 
     # ------------------------------------------------------------------------------------
     # Producer warp: TMA loads
     # ------------------------------------------------------------------------------------
     @cute.jit
     def produce(
-        self, mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE2, sD,
-        tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO,
-        pipeline_kv, pipeline_q, pipeline_do, tile, group, block_range, seqlen,
+        self, g: BwdGlobals, smem: BwdSmem, pipes: BwdPipelines, tile: WorkTile, group,
+        block_range: BlockRange, seqlen: SeqlenInfo,
     ):
-        n_block, _, head_kv, _ = tile
+        n_block, head_kv = tile.block, tile.head
         d = self.head_dim
-        partition = _tma_partition_one_cta
-        gK = cute.local_tile(seqlen.rows_k(mK, head_kv), (self.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(seqlen.rows_k(mV, head_kv), (self.tile_n, d), (n_block, 0))
-        tKsK, tKgK = partition(tma_atom_K, sK, gK)
-        tVsV, tVgV = partition(tma_atom_V, sV, gV)
+        gK = cute.local_tile(seqlen.rows_k(g.k.tensor, head_kv), (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(seqlen.rows_k(g.v.tensor, head_kv), (self.tile_n, d), (n_block, 0))
+        tKsK, tKgK = tma_partition(g.k, smem.k, gK)
+        tVsV, tVgV = tma_partition(g.v, smem.v, gV)
         stats_bytes = self.tile_m * 4
         # the padded per-row statistics: this sequence's query blocks start here
         stats_block0 = seqlen.padded_m_block_offset
         lane = cute.arch.lane_idx()
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipeline_kv.producer_acquire(kv_state)
-        kv_bar = pipeline_kv.producer_get_barrier(kv_state)
-        cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=kv_bar)
-        cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=kv_bar)
+        pipes.kv.producer_acquire(kv_state)
+        kv_bar = pipes.kv.producer_get_barrier(kv_state)
+        cute.copy(g.k.atom, tKgK, tKsK, tma_bar_ptr=kv_bar)
+        cute.copy(g.v.atom, tVgV, tVsV, tma_bar_ptr=kv_bar)
 
         m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for g in cutlass.range(group, unroll=1):
-            head = head_kv * group + g
-            gQ = cute.local_tile(seqlen.rows_q(mQ, head), (self.tile_m, d), (None, 0))
-            gdO = cute.local_tile(seqlen.rows_q(mdO, head), (self.tile_m, d), (None, 0))
-            tQsQ, tQgQ = partition(tma_atom_Q, sQ, gQ)
-            tdOsdO, tdOgdO = partition(tma_atom_dO, sdO, gdO)
-            gLSE2 = cute.local_tile(mLSE2[None, head, seqlen.batch], (self.tile_m,), (None,))
-            gD = cute.local_tile(mD[None, head, seqlen.batch], (self.tile_m,), (None,))
+        for i in cutlass.range(group, unroll=1):
+            head = head_kv * group + i
+            gQ = cute.local_tile(seqlen.rows_q(g.q.tensor, head), (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(seqlen.rows_q(g.do.tensor, head), (self.tile_m, d), (None, 0))
+            tQsQ, tQgQ = tma_partition(g.q, smem.q, gQ)
+            tdOsdO, tdOgdO = tma_partition(g.do, smem.do, gdO)
+            gLSE2 = cute.local_tile(g.lse2[None, head, seqlen.batch], (self.tile_m,), (None,))
+            gD = cute.local_tile(g.dsum[None, head, seqlen.batch], (self.tile_m,), (None,))
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                pipeline_q.producer_acquire(state)
-                bar = pipeline_q.producer_get_barrier(state)
-                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                pipes.q.producer_acquire(state)
+                bar = pipes.q.producer_get_barrier(state)
+                cute.copy(g.q.atom, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
                 # one lane: every lane's copy would complete the barrier's bytes again
                 if lane == 0:
-                    bulk_load(gLSE2[None, stats_block0 + m_block].iterator, sLSE2[None, state.index].iterator, bar, stats_bytes)
-                pipeline_do.producer_acquire(state)
-                bar = pipeline_do.producer_get_barrier(state)
-                cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+                    bulk_load(gLSE2[None, stats_block0 + m_block].iterator, smem.lse2[None, state.index].iterator, bar, stats_bytes)
+                pipes.do.producer_acquire(state)
+                bar = pipes.do.producer_get_barrier(state)
+                cute.copy(g.do.atom, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
                 if lane == 0:
-                    bulk_load(gD[None, stats_block0 + m_block].iterator, sD[None, state.index].iterator, bar, stats_bytes)
+                    bulk_load(gD[None, stats_block0 + m_block].iterator, smem.dsum[None, state.index].iterator, bar, stats_bytes)
                 state.advance()
 
     # ------------------------------------------------------------------------------------
     # dQ writer warp: adds each query block's dQ tile into dQ_accum
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def write_dq(self, mdQaccum, mdQsemaphore, sdQ, tile, group, block_range, seqlen):
-        n_block, d_block, head_kv, _ = tile
+    def write_dq(self, g: BwdGlobals, sdQ, tile: WorkTile, group, block_range: BlockRange, seqlen: SeqlenInfo):
+        n_block, head_kv, d_block = tile.block, tile.head, tile.split
         chunk = self.tile_m * self.d_slice
         m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
         num_m_blocks = m_block_max - m_block_min
@@ -382,15 +391,14 @@ class FlashBwdSm90:
             head = head_kv * group + it // num_m_blocks
             m_block = m_block_min + it % num_m_blocks
             cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
-            # dQ_accum chunks: query block major (padded per sequence), head_dim slice minor
-            tile_idx = (seqlen.padded_m_block_offset + m_block) * self.num_d_slices + d_block
-            gdQaccum = cute.local_tile(mdQaccum[None, head, seqlen.batch], (chunk,), (None,))
+            tile_idx = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block, d_block, self.num_d_slices)
+            gdQaccum = cute.local_tile(g.dq_accum[None, head, seqlen.batch], (chunk,), (None,))
             if lane == 0:
                 if cutlass.const_expr(self.deterministic):
                     # KV blocks add into a dQ tile in increasing n_block order; the ones
                     # that visit a query block are a contiguous range from the forward's
                     # n_block_min (0 unless a sliding window bounds the left side)
-                    turn_ptr = mdQsemaphore[None, head, seqlen.batch].iterator + tile_idx
+                    turn_ptr = g.dq_semaphore[None, head, seqlen.batch].iterator + tile_idx
                     first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
                     semaphore.wait_turn(turn_ptr, n_block - first_n_block)
                 bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
@@ -410,31 +418,32 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, mdK, mdV, mdK_rows, mdV_rows, sQ, sK, sV, sdO, sdS, sLSE2, sD, sdQ, sdK, sdV,
-        tma_atom_dK, tma_atom_dV, pipeline_kv, pipeline_q, pipeline_do,
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tile, group, block_range, seqlen,
-        window, softmax_scale, scale_log2, softcap_pre, tidx,
+        self, g: BwdGlobals, layouts: BwdLayouts, smem: BwdSmem, pipes: BwdPipelines, tile: WorkTile,
+        group, block_range: BlockRange, seqlen: SeqlenInfo, window: Window, score: ScoreScale, tidx,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
-        wg_mma_sdp = tiled_mma_sdp.get_slice(wg_first_thread)
-        wg_mma_dkv = tiled_mma_dkv.get_slice(wg_first_thread)
+        wg_mma_sdp = layouts.mma_sdp.get_slice(wg_first_thread)
+        wg_mma_dkv = layouts.mma_dkv.get_slice(wg_first_thread)
         # with a single dQ warpgroup only warpgroup 0 uses these partitions
-        wg_mma_dq = tiled_mma_dq.get_slice(wg_first_thread if self.dq_wgs > 1 else 0)
+        wg_mma_dq = layouts.mma_dq.get_slice(wg_first_thread if self.dq_wgs > 1 else 0)
 
-        tSrK = wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sK))
-        tSrQ = wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sQ))
-        tdPrV = wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sV))
-        tdPrdO = wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sdO))
-        n_block, d_block, head_kv, _ = tile
-        # B operands of dV, dK and dQ: this CTA's head_dim slice of dO^T, Q^T and K^T
-        tdVrdO = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(sdO), d_block)))
-        tdKrQ = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(sQ), d_block)))
-        tdQrdS = wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(sdS)))
-        tdQrK = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(self.d_rows(mma_sm90.transpose_view(sK), d_block)))
-
-        acc_dV = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, self.d_slice)), Float32)
-        acc_dK = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, self.d_slice)), Float32)
+        n_block, head_kv, d_block = tile.block, tile.head, tile.split
+        dkv_shape = wg_mma_dkv.partition_shape_C((self.tile_n, self.d_slice))
+        ops = StepOperands(
+            tSrK=wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.k)),
+            tSrQ=wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.q)),
+            tdPrV=wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.v)),
+            tdPrdO=wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.do)),
+            # B operands of dV, dK and dQ: this CTA's head_dim slice of dO^T, Q^T and K^T
+            tdVrdO=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(smem.do), d_block))),
+            tdKrQ=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(smem.q), d_block))),
+            tdQrdS=wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(smem.ds))),
+            tdQrK=wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(self.d_rows(mma_sm90.transpose_view(smem.k), d_block))),
+            acc_dV=cute.make_rmem_tensor(dkv_shape, Float32),
+            acc_dK=cute.make_rmem_tensor(dkv_shape, Float32),
+        )
+        acc_dV, acc_dK = ops.acc_dV, ops.acc_dK
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
 
@@ -448,54 +457,42 @@ class FlashBwdSm90:
             right_end = m_block_max
         left_start = block_range.m_block_left_mask_start(seqlen, n_block, right_end, m_block_max)
 
-        pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        operands = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK)
-        step_args = (
-            n_block, operands, acc_dV, acc_dK, sdS, sLSE2, sD, sdQ,
-            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_q, pipeline_do, mask,
-            scale_log2, softcap_pre, tidx,
-        )
+        step = (n_block, ops, layouts, smem, pipes, mask, score.scale_log2, score.softcap_pre, tidx)
         # dK and dV sum over the group's query heads right here, in the accumulators
         for _g in cutlass.range(group, unroll=1):
             for m_block in cutlass.range(m_block_min, right_end, unroll=1):
-                self.step(m_block, state, *step_args, masked=True)
+                self.step(m_block, state, *step, masked=True)
                 state.advance()
             for m_block in cutlass.range(right_end, left_start, unroll=1):
-                self.step(m_block, state, *step_args, masked=False)
+                self.step(m_block, state, *step, masked=False)
                 state.advance()
             if cutlass.const_expr(window.has_left):
                 for m_block in cutlass.range(left_start, m_block_max, unroll=1):
-                    self.step(m_block, state, *step_args, masked=True)
+                    self.step(m_block, state, *step, masked=True)
                     state.advance()
 
         # Epilogue: dV and dK leave through sV and sK, which every warpgroup must be done
         # reading (its last dP and dQ WGMMAs) before they are overwritten.
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
-        epilogue.acc_to_smem(acc_dV, sdV, tiled_mma_dkv, tidx, self.dtype)
-        epilogue.acc_to_smem(acc_dK, sdK, tiled_mma_dkv, tidx, self.dtype, scale=softmax_scale)
+        epilogue.acc_to_smem(acc_dV, smem.dv, layouts.mma_dkv, tidx, self.out_dtype)
+        epilogue.acc_to_smem(acc_dK, smem.dk, layouts.mma_dkv, tidx, self.out_dtype, scale=score.softmax_scale)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         dkv_tile = (self.tile_n, self.d_slice)
         if cutlass.const_expr(self.features.varlen):
-            gdV = cute.local_tile(seqlen.rows_k(mdV_rows, head_kv), dkv_tile, (n_block, d_block))
-            gdK = cute.local_tile(seqlen.rows_k(mdK_rows, head_kv), dkv_tile, (n_block, d_block))
+            gdV = cute.local_tile(seqlen.rows_k(g.dv_rows, head_kv), dkv_tile, (n_block, d_block))
+            gdK = cute.local_tile(seqlen.rows_k(g.dk_rows, head_kv), dkv_tile, (n_block, d_block))
             keys_left = seqlen.seqlen_k - n_block * self.tile_n
-            epilogue.store_rows(sdV, gdV, keys_left, tidx, self.num_mma_threads)
-            epilogue.store_rows(sdK, gdK, keys_left, tidx, self.num_mma_threads)
+            epilogue.store_rows(smem.dv, gdV, keys_left, tidx, self.num_mma_threads)
+            epilogue.store_rows(smem.dk, gdK, keys_left, tidx, self.num_mma_threads)
         else:
             if tidx // 32 == 0:
-                gdV = cute.local_tile(seqlen.rows_k(mdV, head_kv), dkv_tile, (n_block, d_block))
-                gdK = cute.local_tile(seqlen.rows_k(mdK, head_kv), dkv_tile, (n_block, d_block))
-                epilogue.tma_store_tile(tma_atom_dV, sdV, gdV)
-                epilogue.tma_store_tile(tma_atom_dK, sdK, gdK)
-
-    @cute.jit
-    def tile(self, scheduler):
-        """(n_block, d_block, head_kv, batch) of this CTA: grid x enumerates KV blocks, and
-        within each, the head_dim slices of dK/dV/dQ it is split into (1 below hdim 192)."""
-        bid, head, batch = scheduler.tile()
-        return bid // self.num_d_slices, bid % self.num_d_slices, head, batch
+                gdV = cute.local_tile(seqlen.rows_k(g.dv.tensor, head_kv), dkv_tile, (n_block, d_block))
+                gdK = cute.local_tile(seqlen.rows_k(g.dk.tensor, head_kv), dkv_tile, (n_block, d_block))
+                epilogue.tma_store_tile(g.dv.atom, smem.dv, gdV)
+                epilogue.tma_store_tile(g.dk.atom, smem.dk, gdK)
 
     def d_rows(self, t: cute.Tensor, d_block):
         """Rows [d_block * d_slice, +d_slice) of a (head_dim, ...) smem view."""
@@ -506,12 +503,12 @@ class FlashBwdSm90:
 
     @cute.jit
     def step(
-        self, m_block, state, n_block, operands, acc_dV, acc_dK, sdS, sLSE2, sD, sdQ,
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_q, pipeline_do, mask,
-        scale_log2, softcap_pre, tidx, masked: cutlass.Constexpr[bool],
+        self, m_block, state, n_block, ops: StepOperands, layouts: BwdLayouts, smem: BwdSmem,
+        pipes: BwdPipelines, mask: AttentionMask, scale_log2, softcap_pre, tidx,
+        masked: cutlass.Constexpr[bool],
     ):
         """One query block: the five GEMMs for this CTA's keys."""
-        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK = operands
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = layouts.mma_sdp, layouts.mma_dkv, layouts.mma_dq
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
         wg_mma_sdp = tiled_mma_sdp.get_slice(wg_first_thread)
@@ -523,17 +520,17 @@ class FlashBwdSm90:
         # S^T and dP^T in flight together
         acc_S = cute.make_rmem_tensor(acc_shape, Float32)
         acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
-        pipeline_q.consumer_wait(state)
-        mma_sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wait_groups=-1)
-        pipeline_do.consumer_wait(state)
-        mma_sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wait_groups=-1)
+        pipes.q.consumer_wait(state)
+        mma_sm90.gemm(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait_groups=-1)
+        pipes.do.consumer_wait(state)
+        mma_sm90.gemm(tiled_mma_sdp, acc_dP, ops.tdPrV, ops.tdPrdO[None, None, None, stage], zero_init=True, wait_groups=-1)
 
         # per-query statistics of this thread's columns, read from smem where used
         tScS = thr_mma_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
         cols = mma_sm90.acc_as_rows_cols(tScS)
         num_cols = cute.size(cols.shape[1])
-        lse2 = ColumnStat(sLSE2, cols, stage)
-        dsum = ColumnStat(sD, cols, stage)
+        lse2 = ColumnStat(smem.lse2, cols, stage)
+        dsum = ColumnStat(smem.dsum, cols, stage)
 
         P = mma_sm90.acc_as_rows_cols(acc_S)
         dS = mma_sm90.acc_as_rows_cols(acc_dP)
@@ -561,31 +558,30 @@ class FlashBwdSm90:
                 dsum_c = dsum[c]
                 for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
                     dS[r, c] = P[r, c] * (dS[r, c] - dsum_c)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
-        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        rdS.store(acc_dP.load().to(self.dtype))
+        rP = cute.make_rmem_tensor_like(acc_S, self.p_dtype)
+        rP.store(acc_S.load().to(self.p_dtype))
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.p_dtype)
+        rdS.store(acc_dP.load().to(self.p_dtype))
 
-        mma_sm90.gemm(tiled_mma_dkv, acc_dV, mma_sm90.acc_as_operand_a(rP), tdVrdO[None, None, None, stage], wait_groups=-1)
-        mma_sm90.gemm(tiled_mma_dkv, acc_dK, mma_sm90.acc_as_operand_a(rdS), tdKrQ[None, None, None, stage], wait_groups=-1)
+        mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, mma_sm90.acc_as_operand_a(rP), ops.tdVrdO[None, None, None, stage], wait_groups=-1)
+        mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
 
         # dS^T to shared memory for dQ = dS K, which needs every warpgroup's keys
         barrier_threads = self.num_mma_threads + 32
         cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
-        epilogue.regs_to_smem(rdS, sdS, tiled_mma_sdp, tidx)
+        epilogue.regs_to_smem(rdS, smem.ds, tiled_mma_sdp, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
 
         if wg_idx < self.dq_wgs:
             acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.d_slice)), Float32)
-            mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wait_groups=0)
+            mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                sdQ[dq_accum_offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
+                smem.dq[dq_accum.offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
             cute.arch.fence_view_async_shared()
         else:
             warpgroup.wait_group(0)
         # every WGMMA reading this stage's Q and dO has completed
-        pipeline_q.consumer_release(state)
-        pipeline_do.consumer_release(state)
+        pipes.q.consumer_release(state)
+        pipes.do.consumer_release(state)
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
-

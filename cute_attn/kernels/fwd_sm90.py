@@ -43,12 +43,16 @@ Features (config.AttnFeatures, one specialisation each; their values are run-tim
     sequence's end exit at once, and O leaves row by row instead of by TMA so that a
     partial tile never writes into the next sequence.
 
-Constraints: head_dim in {64, 96, 128, 192, 256}; fp16 or bf16 in, fp32 accumulation.
+Split-KV (config.FwdConfig.num_splits > 1; compiled, not launched until the combine
+kernel exists): the scheduler's work tile carries a split index and blocks/block_range.py
+clips the tile's KV range to that split's slice.
+
+Constraints: config.CAPABILITIES["fwd"] (head dims 64-256; fp16 or bf16 in, fp32
+accumulation: config.DtypePolicy).
 Read the PTX without a GPU: python -m cute_attn ptx --dtype bf16 --headdim 128 [--causal]
 """
 
-import math
-from typing import Type
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -63,31 +67,66 @@ from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
-from cute_attn.blocks.softmax import OnlineSoftmax, softcap_scores
-from cute_attn.blocks.tile_scheduler import SingleTileScheduler
-from cute_attn.blocks.tma_pipeline import make_tma_pipeline
-from cute_attn.config import AttnFeatures, FwdConfig
-
-# Register budgets per thread after setmaxnreg (producer, consumer) by consumer warpgroups:
-# 128 * (producer + n * consumer) must stay within the SM's 64K registers.
-_REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+from cute_attn.blocks.softmax import OnlineSoftmax, ScoreScale, fold_score_scale, softcap_scores
+from cute_attn.blocks.tile_scheduler import TileScheduler, WorkTile
+from cute_attn.blocks.tma_pipeline import TmaTensor, make_tma_pipeline, make_tma_tensor, tma_partition
+from cute_attn.blocks.views import bshd_as_sdhb, pack_heads_into_rows, rowwise_as_rhb
+from cute_attn.config import AttnFeatures, DtypePolicy, FwdConfig
 
 
-def _pack_heads_into_rows(t: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
-    """Packed GQA view: mode 0 (seqlen) becomes (group, seqlen) and the heads mode becomes
-    heads / group, so row r of a KV head's tile is query r // group of query head
-    kv_head * group + r % group. No data moves; TMA addresses the 2-level row mode."""
-    shape, stride = list(t.shape), list(t.stride)
-    shape[0], stride[0] = (group, shape[0]), (stride[head_mode], stride[0])
-    shape[head_mode], stride[head_mode] = shape[head_mode] // group, stride[head_mode] * group
-    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
+class FwdGlobals(NamedTuple):
+    """Global memory as the kernel sees it (kernel-side views, see blocks/views.py)."""
+
+    q: TmaTensor
+    k: TmaTensor
+    v: TmaTensor
+    o: TmaTensor  # the TMA store of dense tiles
+    o_rows: cute.Tensor  # O as a plain tensor: varlen tiles leave row by row
+    lse: cute.Tensor  # (seqlen_q, heads, batch) float32
+    cu_seqlens_q: cute.Tensor  # (batch + 1,) int32; varlen only (else unread)
+    cu_seqlens_k: cute.Tensor
+
+
+class FwdLayouts(NamedTuple):
+    """The static shared-memory layouts and tiled MMAs (built on the host for the TMA
+    atoms, handed to the kernel)."""
+
+    sQ: cute.ComposedLayout
+    sK: cute.ComposedLayout
+    sV: cute.ComposedLayout
+    mma_qk: cute.TiledMma  # S = Q K^T, both operands from smem
+    mma_pv: cute.TiledMma  # O += P V, P from registers
+
+
+class FwdPipelines(NamedTuple):
+    q: pipeline.PipelineTmaAsync
+    k: pipeline.PipelineTmaAsync
+    v: pipeline.PipelineTmaAsync
+
+
+class FwdSmem(NamedTuple):
+    q: cute.Tensor  # also O's staging buffer in the epilogue
+    k: cute.Tensor  # (tile_n, head_dim, stages)
+    v: cute.Tensor
+
+
+class MainloopOperands(NamedTuple):
+    """A consumer warpgroup's WGMMA operands and accumulators for the whole mainloop."""
+
+    acc_O: cute.Tensor
+    tOrP: cute.Tensor  # P as the A operand of PV (registers)
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrVt: cute.Tensor
+    tScS: cute.Tensor  # (row, col) of each score this thread holds, for the mask
+    acc_S_shape: tuple
 
 
 class FlashFwdSm90:
-    def __init__(
-        self, dtype: Type[cutlass.Numeric], head_dim: int, features: AttnFeatures, config: FwdConfig
-    ):
-        self.dtype = dtype
+    def __init__(self, dtypes: DtypePolicy, head_dim: int, features: AttnFeatures, config: FwdConfig):
+        self.dtype = dtypes.dsl("input")
+        self.p_dtype = dtypes.dsl("p")
+        self.out_dtype = dtypes.dsl("output")
         self.head_dim = head_dim
         self.features = features
         self.tile_m = config.tile_m
@@ -98,9 +137,14 @@ class FlashFwdSm90:
         self.pingpong = config.pingpong and self.num_mma_wg > 1
         self.num_threads = config.num_threads
         self.num_mma_threads = 128 * self.num_mma_wg
-        self.producer_regs, self.mma_regs = _REGISTERS[self.num_mma_wg]
+        self.producer_regs, self.mma_regs = config.registers
         self.pack_gqa = config.pack_gqa
+        self.num_splits = config.num_splits
         assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
+        # causal-like masks: the last query blocks see the most keys, so they go first
+        self.scheduler = TileScheduler(
+            self.tile_m, features.varlen, config.num_splits, longest_first=features.causal_like
+        )
 
     @cute.jit
     def __call__(
@@ -119,76 +163,54 @@ class FlashFwdSm90:
         window_right: Int32,
         stream,
     ):
-        # Kernel-side view: (seqlen, head_dim, heads, batch), so that a CTA's slice
-        # [None, None, head, batch] is a 2-D (seqlen, head_dim) matrix for TMA and WGMMA.
-        to_sdhb = [1, 3, 2, 0]
-        mQ, mK, mV, mO = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_sdhb))
-            for t in (mQ, mK, mV, mO)
-        ]
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        mQ, mK, mV, mO = [bshd_as_sdhb(t) for t in (mQ, mK, mV, mO)]
+        mLSE = rowwise_as_rhb(mLSE)
         if cutlass.const_expr(self.pack_gqa > 1):
             # packed GQA: the group's query heads become rows, ((group, seqlen), ..., heads_kv)
-            mQ, mO = [_pack_heads_into_rows(t, self.pack_gqa, head_mode=2) for t in (mQ, mO)]
-            mLSE = _pack_heads_into_rows(mLSE, self.pack_gqa, head_mode=1)
-
-        tiled_mma_qk = mma_sm90.make_tiled_mma(
-            self.dtype, OperandMajorMode.K, self.tile_n, self.num_mma_wg
-        )
-        # P @ V: A = P from registers, B = V^T, whose contiguous dim (head_dim) is N
-        tiled_mma_pv = mma_sm90.make_tiled_mma(
-            self.dtype, OperandMajorMode.MN, self.head_dim, self.num_mma_wg, a_in_registers=True
-        )
+            mQ, mO = [pack_heads_into_rows(t, self.pack_gqa, head_mode=2) for t in (mQ, mO)]
+            mLSE = pack_heads_into_rows(mLSE, self.pack_gqa, head_mode=1)
 
         d = self.head_dim
-        sQ_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_m, d)
         sK_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, self.num_stages)
-        sV_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, self.num_stages)
-
-        load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, d))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            load_op, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, d), 1
+        layouts = FwdLayouts(
+            sQ=mma_sm90.make_smem_layout(self.dtype, self.tile_m, d),
+            sK=sK_layout,
+            sV=mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, self.num_stages),
+            mma_qk=mma_sm90.make_tiled_mma(self.dtype, OperandMajorMode.K, self.tile_n, self.num_mma_wg),
+            # P @ V: A = P from registers, B = V^T, whose contiguous dim (head_dim) is N
+            mma_pv=mma_sm90.make_tiled_mma(
+                self.p_dtype, OperandMajorMode.MN, d, self.num_mma_wg, a_in_registers=True
+            ),
         )
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            load_op, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, d), 1
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        kv_stage = cute.select(sK_layout, mode=[0, 1])
+        g = FwdGlobals(
+            q=make_tma_tensor(load_op, mQ, layouts.sQ, (self.tile_m, d)),
+            k=make_tma_tensor(load_op, mK, kv_stage, (self.tile_n, d)),
+            v=make_tma_tensor(load_op, mV, cute.select(layouts.sV, mode=[0, 1]), (self.tile_n, d)),
+            # O leaves through shared memory laid out like Q (it reuses Q's buffer)
+            o=make_tma_tensor(cpasync.CopyBulkTensorTileS2GOp(), mO, layouts.sQ, (self.tile_m, d)),
+            o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK,
         )
-        # O leaves through shared memory laid out like Q (it reuses Q's buffer)
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(store_op, mO, sQ_layout, (self.tile_m, d))
-        self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
-        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, layouts.sQ)
+        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage)
 
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sV)], 1024]
 
         self.shared_storage = SharedStorage
 
-        if cutlass.const_expr(self.features.varlen):
-            num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
-            batch = cute.size(mCuSeqlensQ.shape[0]) - 1
-        else:
-            num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
-            batch = cute.size(mQ.shape[3])
-        grid = SingleTileScheduler.grid(num_m_blocks, cute.size(mQ.shape[2]), batch)
-        if cutlass.const_expr(self.features.softcap):
-            # scores = softcap * tanh(S * scale / softcap): tanh first, softcap in the exp2
-            scale_log2 = softcap * math.log2(math.e)
-            softcap_pre = softmax_scale / softcap
-        else:
-            scale_log2 = softmax_scale * math.log2(math.e)
-            softcap_pre = Float32(1.0)
-        self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            scale_log2, softcap_pre, window_left, window_right, sQ_layout, sK_layout, sV_layout,
-            tiled_mma_qk, tiled_mma_pv,
-        ).launch(
+        grid = self.scheduler.grid(
+            cute.size(mQ.shape[0]), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), mCuSeqlensQ, max_seqlen_q
+        )
+        score = fold_score_scale(softmax_scale, softcap, self.features.softcap)
+        self.kernel(g, layouts, score, window_left, window_right).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
             stream=stream,
@@ -198,124 +220,93 @@ class FlashFwdSm90:
 
     @cute.kernel
     def kernel(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mO_rows: cute.Tensor,
-        mLSE: cute.Tensor,
-        mCuSeqlensQ: cute.Tensor,
-        mCuSeqlensK: cute.Tensor,
-        tma_atom_Q: cute.CopyAtom,
-        tma_atom_K: cute.CopyAtom,
-        tma_atom_V: cute.CopyAtom,
-        tma_atom_O: cute.CopyAtom,
-        scale_log2: Float32,
-        softcap_pre: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
+        self, g: FwdGlobals, layouts: FwdLayouts, score: ScoreScale, window_left: Int32, window_right: Int32
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
+            for t in (g.q, g.k, g.v, g.o):
+                cpasync.prefetch_descriptor(t.atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        pipeline_q = make_tma_pipeline(storage.mbar_q.data_ptr(), 1, self.tma_bytes_q, self.num_mma_threads)
-        pipeline_k = make_tma_pipeline(storage.mbar_k.data_ptr(), self.num_stages, self.tma_bytes_kv, self.num_mma_threads)
-        pipeline_v = make_tma_pipeline(storage.mbar_v.data_ptr(), self.num_stages, self.tma_bytes_kv, self.num_mma_threads)
+        pipes = FwdPipelines(
+            q=make_tma_pipeline(storage.mbar_q.data_ptr(), 1, self.tma_bytes_q, self.num_mma_threads),
+            k=make_tma_pipeline(storage.mbar_k.data_ptr(), self.num_stages, self.tma_bytes_kv, self.num_mma_threads),
+            v=make_tma_pipeline(storage.mbar_v.data_ptr(), self.num_stages, self.tma_bytes_kv, self.num_mma_threads),
+        )
         pipeline_init_arrive(is_relaxed=True)
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        smem = FwdSmem(
+            q=storage.sQ.get_tensor(layouts.sQ.outer, swizzle=layouts.sQ.inner),
+            k=storage.sK.get_tensor(layouts.sK.outer, swizzle=layouts.sK.inner),
+            v=storage.sV.get_tensor(layouts.sV.outer, swizzle=layouts.sV.inner),
+        )
 
-        # causal-like masks: the last query blocks see the most keys, so they go first
-        scheduler = SingleTileScheduler(longest_first=self.features.causal_like)
-        m_block, head, batch = scheduler.tile()
+        tile = self.scheduler.tile()
+        mQ, mK = g.q.tensor, g.k.tensor
         # packed GQA: the row mode is (group, seqlen_q); the sequence is its second part
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack_gqa > 1) else mQ.shape[0]
         seqlen = SeqlenInfo(
-            batch, seqlen_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.features.varlen
+            tile.batch, seqlen_q, mK.shape[0], g.cu_seqlens_q, g.cu_seqlens_k, self.features.varlen
         )
         window = Window(self.features.mask, window_left, window_right)
-        block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa)
-        tile = (m_block, head, batch)
+        block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa, self.num_splits)
         pipeline_init_wait()
 
         # varlen: the grid covers the longest sequence; a tile past this one's end has no
         # rows (uniform across the CTA, so no barrier is left waiting)
-        if not self.features.varlen or m_block * self.tile_m < seqlen.seqlen_q:
+        if not self.features.varlen or tile.block * self.tile_m < seqlen.seqlen_q:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
-                    self.produce(
-                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                        pipeline_q, pipeline_k, pipeline_v, tile, block_range, seqlen,
-                    )
+                    self.produce(g, smem, pipes, tile, block_range, seqlen)
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
-                self.consume(
-                    mO, mO_rows, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
-                    tiled_mma_qk, tiled_mma_pv, tile, block_range, seqlen, window,
-                    scale_log2, softcap_pre, tidx - 128,
-                )
+                self.consume(g, layouts, smem, pipes, tile, block_range, seqlen, window, score, tidx - 128)
 
     # ------------------------------------------------------------------------------------
     # Producer: one warp, TMA only
     # ------------------------------------------------------------------------------------
     @cute.jit
     def produce(
-        self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-        pipeline_q, pipeline_k, pipeline_v, tile, block_range, seqlen,
+        self, g: FwdGlobals, smem: FwdSmem, pipes: FwdPipelines, tile: WorkTile,
+        block_range: BlockRange, seqlen: SeqlenInfo,
     ):
-        m_block, head, _ = tile
+        m_block, head = tile.block, tile.head
         # GQA / MQA: a group of heads_q / heads_kv query heads shares one KV head
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        head_kv = head // (g.q.tensor.shape[2] // g.k.tensor.shape[2])
         d = self.head_dim
-        gQ = cute.local_tile(seqlen.rows_q(mQ, head), (self.tile_m, d), (m_block, 0))
-        gK = cute.local_tile(seqlen.rows_k(mK, head_kv), (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(seqlen.rows_k(mV, head_kv), (self.tile_n, d), (None, 0))
-        one_cta = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        gQ = cute.local_tile(seqlen.rows_q(g.q.tensor, head), (self.tile_m, d), (m_block, 0))
+        gK = cute.local_tile(seqlen.rows_k(g.k.tensor, head_kv), (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(seqlen.rows_k(g.v.tensor, head_kv), (self.tile_n, d), (None, 0))
+        tQsQ, tQgQ = tma_partition(g.q, smem.q, gQ)
+        tKsK, tKgK = tma_partition(g.k, smem.k, gK)
+        tVsV, tVgV = tma_partition(g.v, smem.v, gV)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipeline_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+        pipes.q.producer_acquire(q_state)
+        cute.copy(g.q.atom, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
 
-        n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block)
+        n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block, tile.split)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        load_k = (g.k.atom, tKgK, tKsK, pipes.k)
+        load_v = (g.v.atom, tVgV, tVsV, pipes.v)
         if n_block_max > n_block_min:
-            self.load_kv(tma_atom_K, tKgK, tKsK, pipeline_k, kv_state, n_block_max - 1)
+            self.load_kv(*load_k, kv_state, n_block_max - 1)
             if cutlass.const_expr(not self.intra_wg_overlap):
-                self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, kv_state, n_block_max - 1)
+                self.load_kv(*load_v, kv_state, n_block_max - 1)
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                 n_block = n_block_max - 2 - i
                 prev_state = kv_state.clone()
                 kv_state.advance()
-                self.load_kv(tma_atom_K, tKgK, tKsK, pipeline_k, kv_state, n_block)
+                self.load_kv(*load_k, kv_state, n_block)
                 if cutlass.const_expr(self.intra_wg_overlap):
                     # V runs one block behind K, matching the consumers' order
-                    self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, prev_state, n_block + 1)
+                    self.load_kv(*load_v, prev_state, n_block + 1)
                 else:
-                    self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, kv_state, n_block)
+                    self.load_kv(*load_v, kv_state, n_block)
             if cutlass.const_expr(self.intra_wg_overlap):
-                self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, kv_state, n_block_min)
+                self.load_kv(*load_v, kv_state, n_block_min)
 
     @cute.jit
     def load_kv(self, tma_atom, tXgX, tXsX, pipeline_x, state, n_block):
@@ -330,34 +321,35 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, mO, mO_rows, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
-        tiled_mma_qk, tiled_mma_pv, tile, block_range, seqlen, window, scale_log2, softcap_pre,
-        tidx,
+        self, g: FwdGlobals, layouts: FwdLayouts, smem: FwdSmem, pipes: FwdPipelines, tile: WorkTile,
+        block_range: BlockRange, seqlen: SeqlenInfo, window: Window, score: ScoreScale, tidx,
     ):
+        tiled_mma_qk, tiled_mma_pv = layouts.mma_qk, layouts.mma_pv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_first_thread)
         wg_mma_pv = tiled_mma_pv.get_slice(wg_first_thread)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
-        sVt = mma_sm90.transpose_view(sV)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
-        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        acc_O = cute.make_rmem_tensor(
-            wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32
+        sVt = mma_sm90.transpose_view(smem.v)
+        ops = MainloopOperands(
+            acc_O=cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32),
+            tOrP=wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n))),
+            tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.q)),
+            tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k)),
+            tOrVt=wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt)),
+            tScS=thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))),
+            acc_S_shape=wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
         )
+        acc_O, tOrP = ops.acc_O, ops.tOrP
         acc_O.fill(0.0)
-        acc_S_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
-        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
 
-        softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_O.shape[0][1]) * cute.size(acc_O.shape[1]))
+        softmax = OnlineSoftmax(score.scale_log2, num_rows=cute.size(acc_O.shape[0][1]) * cute.size(acc_O.shape[1]))
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
 
-        m_block, head, batch = tile
+        m_block = tile.block
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window, self.pack_gqa)
-        n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block)
+        n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block, tile.split)
         if cutlass.const_expr(self.pingpong):
             if wg_idx == 0:
                 # warpgroup 0 takes the first turn
@@ -367,117 +359,112 @@ class FlashFwdSm90:
 
         # Q must have landed even when no key is visible: sO below overwrites its buffer
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipeline_q.consumer_wait(q_state)
+        pipes.q.consumer_wait(q_state)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # O's rescale by the latest row-max change, applied just before the next PV WGMMA
         pending_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
         if n_block_max > n_block_min:
             # First block: the only one that can be partial (end of keys); masked always.
-            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-            pipeline_k.consumer_wait(kv_state)
+            acc_S = cute.make_rmem_tensor(ops.acc_S_shape, Float32)
+            pipes.k.consumer_wait(kv_state)
             mma_sm90.gemm(
-                tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                tiled_mma_qk, acc_S, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index],
                 zero_init=True, wait_groups=0,
             )
-            pipeline_k.consumer_release(kv_state)
+            pipes.k.consumer_release(kv_state)
             if cutlass.const_expr(self.features.softcap):
-                softcap_scores(acc_S, softcap_pre)
-            mask.apply(acc_S, tScS, m_block, n_block_max - 1)
+                softcap_scores(acc_S, score.softcap_pre)
+            mask.apply(acc_S, ops.tScS, m_block, n_block_max - 1)
             pending_scale.store(softmax.step(acc_S, is_first=True).load())
-            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
+            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.p_dtype))
             if cutlass.const_expr(not self.intra_wg_overlap):
-                kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
+                kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
 
             # Blocks cutting the window's right edge (the causal diagonal), the unmasked
             # bulk, then blocks cutting its left edge (sliding windows only).
             right_start = block_range.n_block_right_mask_start(seqlen, m_block, n_block_min, n_block_max)
             left_end = block_range.n_block_left_mask_end(seqlen, m_block, n_block_min, right_start)
-            step_args = (
-                acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape, tiled_mma_qk, tiled_mma_pv,
-                pipeline_k, pipeline_v, softmax, mask, tScS, m_block, wg_idx, pending_scale,
-                softcap_pre,
-            )
+            step = (ops, layouts, pipes, softmax, mask, m_block, wg_idx, pending_scale, score.softcap_pre)
             for i in cutlass.range(n_block_max - 1 - right_start, unroll=1):
-                kv_state = self.mainloop_step(n_block_max - 2 - i, kv_state, *step_args, masked=True)
+                kv_state = self.mainloop_step(n_block_max - 2 - i, kv_state, *step, masked=True)
             for i in cutlass.range(right_start - left_end, unroll=1):
-                kv_state = self.mainloop_step(right_start - 1 - i, kv_state, *step_args, masked=False)
+                kv_state = self.mainloop_step(right_start - 1 - i, kv_state, *step, masked=False)
             if cutlass.const_expr(window.has_left):
                 for i in cutlass.range(left_end - n_block_min, unroll=1):
-                    kv_state = self.mainloop_step(left_end - 1 - i, kv_state, *step_args, masked=True)
+                    kv_state = self.mainloop_step(left_end - 1 - i, kv_state, *step, masked=True)
             if cutlass.const_expr(self.intra_wg_overlap):
                 softmax.rescale(acc_O, pending_scale)
-                kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
+                kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
 
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         softmax.finalize(acc_O, lse)
-        self.epilogue(
-            acc_O, lse, mO, mO_rows, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head, seqlen,
-        )
+        self.epilogue(acc_O, lse, g, smem.q, tiled_mma_pv, tidx, tile, seqlen)
 
     @cute.jit
     def mainloop_step(
-        self, n_block, kv_state, acc_O, tOrP, tSrQ, tSrK, tOrVt, acc_S_shape,
-        tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, softmax, mask, tScS, m_block,
-        wg_idx, pending_scale, softcap_pre, masked: cutlass.Constexpr[bool],
+        self, n_block, kv_state, ops: MainloopOperands, layouts: FwdLayouts, pipes: FwdPipelines,
+        softmax: OnlineSoftmax, mask: AttentionMask, m_block, wg_idx, pending_scale, softcap_pre,
+        masked: cutlass.Constexpr[bool],
     ):
-        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        tiled_mma_qk, tiled_mma_pv = layouts.mma_qk, layouts.mma_pv
+        acc_S = cute.make_rmem_tensor(ops.acc_S_shape, Float32)
         if cutlass.const_expr(self.intra_wg_overlap):
             # S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together; the softmax of S_j
             # runs while the PV WGMMA still executes.
             v_state = kv_state.clone()
             kv_state.advance()
-            pipeline_k.consumer_wait(kv_state)
+            pipes.k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
             mma_sm90.gemm(
-                tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                tiled_mma_qk, acc_S, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index],
                 zero_init=True, wait_groups=-1,
             )
             # Rescale O here, under the QK^T WGMMA, not after the softmax: touching O's
             # registers there made ptxas hoist the wait on the PV WGMMA above the exp2s,
             # which serialised the softmax behind PV (seen in SASS).
-            softmax.rescale(acc_O, pending_scale)
-            pipeline_v.consumer_wait(v_state)
+            softmax.rescale(ops.acc_O, pending_scale)
+            pipes.v.consumer_wait(v_state)
             mma_sm90.gemm(
-                tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
+                tiled_mma_pv, ops.acc_O, ops.tOrP, ops.tOrVt[None, None, None, v_state.index],
                 wait_groups=-1,
             )
             self.pass_turn(wg_idx)
             warpgroup.wait_group(1)
-            pipeline_k.consumer_release(kv_state)
+            pipes.k.consumer_release(kv_state)
             if cutlass.const_expr(self.features.softcap):
                 softcap_scores(acc_S, softcap_pre)
             if cutlass.const_expr(masked):
-                mask.apply(acc_S, tScS, m_block, n_block)
+                mask.apply(acc_S, ops.tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
             warpgroup.wait_group(0)
-            pipeline_v.consumer_release(v_state)
-            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
+            pipes.v.consumer_release(v_state)
+            ops.tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.p_dtype))
         else:
-            pipeline_k.consumer_wait(kv_state)
+            pipes.k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
             mma_sm90.gemm(
-                tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                tiled_mma_qk, acc_S, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index],
                 zero_init=True, wait_groups=-1,
             )
             self.pass_turn(wg_idx)
             warpgroup.wait_group(0)
-            pipeline_k.consumer_release(kv_state)
+            pipes.k.consumer_release(kv_state)
             if cutlass.const_expr(self.features.softcap):
                 softcap_scores(acc_S, softcap_pre)
             if cutlass.const_expr(masked):
-                mask.apply(acc_S, tScS, m_block, n_block)
+                mask.apply(acc_S, ops.tScS, m_block, n_block)
             row_scale = softmax.step(acc_S, is_first=False)
-            softmax.rescale(acc_O, row_scale)
-            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.dtype))
-            kv_state = self.pv_step(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state)
+            softmax.rescale(ops.acc_O, row_scale)
+            ops.tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.p_dtype))
+            kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
         return kv_state
 
     @cute.jit
-    def pv_step(self, tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, kv_state):
+    def pv_step(self, tiled_mma_pv, ops: MainloopOperands, pipeline_v, kv_state):
         pipeline_v.consumer_wait(kv_state)
         mma_sm90.gemm(
-            tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], wait_groups=0
+            tiled_mma_pv, ops.acc_O, ops.tOrP, ops.tOrVt[None, None, None, kv_state.index], wait_groups=0
         )
         pipeline_v.consumer_release(kv_state)
         kv_state.advance()
@@ -502,30 +489,31 @@ class FlashFwdSm90:
 
     @cute.jit
     def epilogue(
-        self, acc_O, lse, mO, mO_rows, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head, seqlen,
+        self, acc_O, lse, g: FwdGlobals, sQ, tiled_mma_pv, tidx, tile: WorkTile, seqlen: SeqlenInfo,
     ):
+        m_block, head = tile.block, tile.head
         sO = sQ  # Q's buffer and layout: Q is dead once every warpgroup passed the barrier below
         # every warpgroup's last QK^T WGMMA must have read sQ before sO overwrites it
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
-        epilogue.acc_to_smem(acc_O, sO, tiled_mma_pv, tidx, self.dtype)
+        epilogue.acc_to_smem(acc_O, sO, tiled_mma_pv, tidx, self.out_dtype)
         # generic-proxy smem writes must be visible to the TMA (async proxy) that reads them
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         d = self.head_dim
         if cutlass.const_expr(self.features.varlen):
-            gO = cute.local_tile(seqlen.rows_q(mO_rows, head), (self.tile_m, d), (m_block, 0))
+            gO = cute.local_tile(seqlen.rows_q(g.o_rows, head), (self.tile_m, d), (m_block, 0))
             epilogue.store_rows(sO, gO, seqlen.seqlen_q - m_block * self.tile_m, tidx, self.num_mma_threads)
         else:
             if tidx // 32 == 0:
-                gO = cute.local_tile(seqlen.rows_q(mO, head), (self.tile_m, d), (m_block, 0))
-                epilogue.tma_store_tile(tma_atom_O, sO, gO)
+                gO = cute.local_tile(seqlen.rows_q(g.o.tensor, head), (self.tile_m, d), (m_block, 0))
+                epilogue.tma_store_tile(g.o.atom, sO, gO)
 
         # LSE: the quad's column-0 thread writes its rows, clipped to seqlen_q
         thr_mma = tiled_mma_pv.get_slice(tidx)
         tOcO = mma_sm90.acc_as_rows_cols(
             thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, d)))
         )
-        mLSE_cur = seqlen.stats_q(mLSE, head)
+        mLSE_cur = seqlen.stats_q(g.lse, head)
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + tOcO[r, 0][0]
