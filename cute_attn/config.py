@@ -147,13 +147,27 @@ CAPABILITIES = {
 REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
 
+class _WarpSpecialized:
+    """Thread count and register budget of a kernel with one producer warpgroup and
+    num_mma_warpgroups consumer warpgroups."""
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_mma_warpgroups + 1)
+
+    @property
+    def registers(self) -> tuple:
+        """(producer, consumer) registers per thread after setmaxnreg."""
+        return REGISTER_BUDGETS[self.num_mma_warpgroups]
+
+
 # ----------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class FwdConfig:
+class FwdConfig(_WarpSpecialized):
     tile_m: int  # query rows per CTA: 64 per consumer warpgroup (WGMMA's M)
     tile_n: int  # keys per mainloop step
     num_stages: int  # depth of the K and V shared-memory rings
@@ -171,16 +185,6 @@ class FwdConfig:
     @property
     def num_mma_warpgroups(self) -> int:
         return self.tile_m // 64
-
-    @property
-    def num_threads(self) -> int:
-        # one producer warpgroup + the consumer warpgroups
-        return 128 * (self.num_mma_warpgroups + 1)
-
-    @property
-    def registers(self) -> tuple:
-        """(producer, consumer) registers per thread after setmaxnreg."""
-        return REGISTER_BUDGETS[self.num_mma_warpgroups]
 
     def __post_init__(self):
         if self.tile_m % 64 or not 1 <= self.tile_m // 64 <= 3:
@@ -240,7 +244,7 @@ def choose_pack_gqa(seqlen_q: int, group: int, tile_m: int, varlen: bool) -> int
 
 
 @dataclass(frozen=True)
-class BwdConfig:
+class BwdConfig(_WarpSpecialized):
     """Tile shape of the Hopper backward (kernels/bwd_sm90.py). A CTA owns tile_n keys (64
     per consumer warpgroup, which holds their dK and dV accumulators in registers for the
     whole kernel) and walks query blocks of tile_m rows through num_stages-deep Q and dO
@@ -261,15 +265,6 @@ class BwdConfig:
     @property
     def num_mma_warpgroups(self) -> int:
         return self.tile_n // 64
-
-    @property
-    def num_threads(self) -> int:
-        return 128 * (self.num_mma_warpgroups + 1)
-
-    @property
-    def registers(self) -> tuple:
-        """(producer, consumer) registers per thread after setmaxnreg."""
-        return REGISTER_BUDGETS[self.num_mma_warpgroups]
 
     def num_d_slices(self, head_dim: int) -> int:
         """CTAs that share one KV block, each producing d_slice columns (1: no split)."""

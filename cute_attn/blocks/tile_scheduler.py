@@ -40,15 +40,18 @@ class TileScheduler:
         self.num_splits = num_splits
         self.longest_first = longest_first
 
-    def grid(self, seqlen, num_heads, batch, cu_seqlens: cute.Tensor, max_seqlen):
-        """Launch grid. Dense: seqlen and batch from the tensor shapes. Varlen: the blocks
-        of the longest sequence (max_seqlen) for each of the len(cu_seqlens) - 1 sequences."""
+    def grid(self, mX: cute.Tensor, cu_seqlens: cute.Tensor, max_seqlen):
+        """Launch grid over the tensor whose rows the blocks tile, in the kernel-side view
+        (seqlen, head_dim, heads, batch) (blocks/views.py). Dense: seqlen and batch from
+        its shape. Varlen: the blocks of the longest sequence (max_seqlen) for each of the
+        len(cu_seqlens) - 1 sequences."""
         if cutlass.const_expr(self.varlen):
             num_blocks = cute.ceil_div(max_seqlen, self.tile_size)
             batch = cute.size(cu_seqlens.shape[0]) - 1
         else:
-            num_blocks = cute.ceil_div(seqlen, self.tile_size)
-        return (num_blocks * self.num_splits, num_heads, batch)
+            num_blocks = cute.ceil_div(cute.size(mX.shape[0]), self.tile_size)
+            batch = cute.size(mX.shape[3])
+        return (num_blocks * self.num_splits, cute.size(mX.shape[2]), batch)
 
     @cute.jit
     def tile(self) -> WorkTile:

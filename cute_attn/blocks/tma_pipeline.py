@@ -46,3 +46,12 @@ def tma_partition(tma: TmaTensor, s: cute.Tensor, g: cute.Tensor):
     return cpasync.tma_partition(
         tma.atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
     )
+
+
+def prefetch_descriptors(tensors: tuple):
+    """Prefetch the TMA descriptor of every TmaTensor in `tensors` (a kernel's globals
+    bundle; one warp calls it), so the first loads and stores do not wait on a
+    descriptor fetch."""
+    for t in tensors:
+        if isinstance(t, TmaTensor):
+            cpasync.prefetch_descriptor(t.atom)

@@ -53,9 +53,7 @@ class BwdPreprocess:
         max_seqlen_q: Int32,  # varlen only
         stream,
     ):
-        grid = self.scheduler.grid(
-            cute.size(mO.shape[1]), cute.size(mLSE2.shape[1]), cute.size(mLSE2.shape[0]), mCuSeqlensQ, max_seqlen_q
-        )
+        grid = self.scheduler.grid(bshd_as_sdhb(mO), mCuSeqlensQ, max_seqlen_q)
         self.kernel(mO, mdO, mLSE, mLSE2, mD, mCuSeqlensQ).launch(
             grid=grid, block=[32 * self.num_warps, 1, 1], stream=stream
         )
@@ -126,11 +124,9 @@ class BwdPostprocess:
             sdQ: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        grid = self.scheduler.grid(
-            cute.size(mdQ.shape[1]), cute.size(mdQ.shape[2]), cute.size(mdQ.shape[0]), mCuSeqlensQ, max_seqlen_q
-        )
         # the kernel's view: (seqlen, head_dim, heads, batch), as the other kernels see it
         mdQ = bshd_as_sdhb(mdQ)
+        grid = self.scheduler.grid(mdQ, mCuSeqlensQ, max_seqlen_q)
         self.kernel(mdQaccum, mdQ, mCuSeqlensQ, softmax_scale, tiled_mma_dq, sdQ_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )

@@ -87,7 +87,13 @@ from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import ColumnStat, ScoreScale, fold_score_scale, probs_from_lse, softcap_scores
 from cute_attn.blocks.tile_scheduler import TileScheduler, WorkTile
-from cute_attn.blocks.tma_pipeline import TmaTensor, make_tma_pipeline, make_tma_tensor, tma_partition
+from cute_attn.blocks.tma_pipeline import (
+    TmaTensor,
+    make_tma_pipeline,
+    make_tma_tensor,
+    prefetch_descriptors,
+    tma_partition,
+)
 from cute_attn.blocks.views import bshd_as_sdhb, rowwise_as_rhb
 from cute_attn.config import AttnFeatures, BwdConfig, DtypePolicy
 
@@ -256,10 +262,9 @@ class FlashBwdSm90:
 
         self.shared_storage = SharedStorage
 
-        grid = self.scheduler.grid(
-            cute.size(mK.shape[0]), cute.size(mK.shape[2]), cute.size(mK.shape[3]), mCuSeqlensQ, max_seqlen_k
-        )
         score = fold_score_scale(softmax_scale, softcap, self.features.softcap)
+        # one CTA per KV block: the grid tiles K's rows
+        grid = self.scheduler.grid(mK, mCuSeqlensQ, max_seqlen_k)
         self.kernel(g, layouts, score, window_left, window_right).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1
         )
@@ -271,8 +276,7 @@ class FlashBwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for t in (g.q, g.k, g.v, g.do, g.dk, g.dv):
-                cpasync.prefetch_descriptor(t.atom)
+            prefetch_descriptors(g)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipes = BwdPipelines(

@@ -69,7 +69,13 @@ from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import OnlineSoftmax, ScoreScale, fold_score_scale, softcap_scores
 from cute_attn.blocks.tile_scheduler import TileScheduler, WorkTile
-from cute_attn.blocks.tma_pipeline import TmaTensor, make_tma_pipeline, make_tma_tensor, tma_partition
+from cute_attn.blocks.tma_pipeline import (
+    TmaTensor,
+    make_tma_pipeline,
+    make_tma_tensor,
+    prefetch_descriptors,
+    tma_partition,
+)
 from cute_attn.blocks.views import bshd_as_sdhb, pack_heads_into_rows, rowwise_as_rhb
 from cute_attn.config import AttnFeatures, DtypePolicy, FwdConfig
 
@@ -206,12 +212,9 @@ class FlashFwdSm90:
 
         self.shared_storage = SharedStorage
 
-        grid = self.scheduler.grid(
-            cute.size(mQ.shape[0]), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), mCuSeqlensQ, max_seqlen_q
-        )
         score = fold_score_scale(softmax_scale, softcap, self.features.softcap)
         self.kernel(g, layouts, score, window_left, window_right).launch(
-            grid=grid,
+            grid=self.scheduler.grid(mQ, mCuSeqlensQ, max_seqlen_q),
             block=[self.num_threads, 1, 1],
             stream=stream,
             # a register cap at entry is what lets ptxas honour setmaxnreg (else C7508)
@@ -225,8 +228,7 @@ class FlashFwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for t in (g.q, g.k, g.v, g.o):
-                cpasync.prefetch_descriptor(t.atom)
+            prefetch_descriptors(g)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipes = FwdPipelines(
