@@ -57,8 +57,8 @@ The ratios cute_attn/fa4 and cute_attn/cudnn use only fa4 and sdpa_cudnn. An imp
 that does not import, does not support a case (the reason is recorded), or raises is
 skipped; the run goes on.
 
-Timing is perf/bench.py's: per case and pass, every implementation runs once (compile), then
-`--rounds` interleaved rounds (bench.run_rounds: order rotated per round, each a
+Timing is perf/harness.py's, as for perf/bench.py: per case and pass, every implementation
+runs once (compile), then `--rounds` interleaved rounds (order rotated per round, each a
 triton do_bench median, warmup 25 ms, rep 100 ms); the record is the median of rounds.
 Backward: `out` built once from leaves with requires_grad, then torch.autograd.grad(out,
 leaves, dout, retain_graph=True) per iteration, dout random-normal laid out like out.
@@ -82,7 +82,6 @@ tests/test_bench_features_cpu.py; importing this file needs no GPU, triton or cu
 import argparse
 import contextlib
 import functools
-import json
 import math
 import os
 import random
@@ -94,14 +93,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (perf/bench.py: rounds, do_bench, slug, checks, JSON)
-
-REPO_ROOT = bench.REPO_ROOT
-DEFAULT_RESULTS_DIR = bench.DEFAULT_RESULTS_DIR
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf/, when loaded by path
+import harness  # noqa: E402
+from harness import log  # noqa: E402
 
 IMPLS = ("cute_attn", "fa4", "sdpa_cudnn", "sdpa_cudnn_padded", "sdpa_cudnn_masked")
-ANCHORS = (("fa4", "cute_attn/fa4"), ("sdpa_cudnn", "cute_attn/cudnn"))
 EXTRAS = {
     "sdpa_cudnn_padded": "cuDNN on the varlen batch padded to (ndocs, max_len), dense causal; "
                          "charged the real tokens' pairs only; not an anchor",
@@ -109,8 +105,6 @@ EXTRAS = {
                          "charged the visible pairs only; not an anchor",
 }
 GROUPS = ("gqa", "window", "varlen")
-PASSES = bench.PASSES
-BWD_FLOP_FACTOR = bench.BWD_FLOP_FACTOR
 ROUNDS = 3
 QUICK_ROUNDS = 1
 DTYPE_NAME = "bf16"
@@ -173,11 +167,10 @@ def feature_flops(headdim: int, nheads: int, seqlens: Iterable[tuple[int, int]],
                   pass_name: str = "fwd") -> float:
     """4 * headdim * nheads * sum of visible_pairs over the (seqlen_q, seqlen_k) sequences;
     2.5x that for pass_name "bwd"."""
-    if pass_name not in PASSES:
-        raise ValueError(f"pass_name must be one of {PASSES}, got {pass_name!r}")
+    harness.check_pass(pass_name)
     pairs = sum(visible_pairs(sq, sk, causal, window_size) for sq, sk in seqlens)
     flops = 4.0 * headdim * nheads * pairs
-    return flops * BWD_FLOP_FACTOR if pass_name == "bwd" else flops
+    return flops * harness.BWD_FLOP_FACTOR if pass_name == "bwd" else flops
 
 
 def varlen_lengths(n_docs: int = VARLEN_DOCS, lo: int = VARLEN_MIN, hi: int = VARLEN_MAX,
@@ -375,7 +368,7 @@ def unsupported_reason(impl: str, case: Case, pass_name: str,
 def make_feature_record(impl: str, case: Case, pass_name: str, ms_rounds: Sequence[float],
                         dtype: str = DTYPE_NAME) -> dict:
     """One JSON record: the case's shape, the exact FLOP count, every round and TFLOP/s."""
-    ms = bench.median_ms(ms_rounds)
+    ms = harness.median_ms(ms_rounds)
     flops = case.flops(pass_name)
     return {
         "impl": impl, "pass": pass_name, "case": case.name, "group": case.group,
@@ -384,8 +377,8 @@ def make_feature_record(impl: str, case: Case, pass_name: str, ms_rounds: Sequen
         "seqlen_k": case.max_seqlen, "seqlens": list(case.seqlens) if case.varlen else None,
         "causal": case.causal, "window": list(case.window), "tokens": case.tokens,
         "visible_pairs": case.pairs(), "flops": flops, "ms": ms,
-        "ms_rounds": [float(x) for x in ms_rounds], "tflops": bench.tflops(flops, ms),
-        "anchor": impl in dict(ANCHORS),
+        "ms_rounds": [float(x) for x in ms_rounds], "tflops": harness.tflops(flops, ms),
+        "anchor": impl in dict(harness.RATIO_ANCHORS),
     }
 
 
@@ -406,8 +399,8 @@ def case_ratios(records: Sequence[dict], skipped: Sequence[dict] = ()) -> list[d
             continue
         seen.append(key)
         entry = {"case": r["case"], "pass": r["pass"]}
-        for anchor, label in ANCHORS:
-            value = bench.ratio(cell.get((*key, "cute_attn")), cell.get((*key, anchor)))
+        for anchor, label in harness.RATIO_ANCHORS:
+            value = harness.ratio(cell.get((*key, "cute_attn")), cell.get((*key, anchor)))
             entry[label] = value
             if value is None:
                 entry[label + " why"] = reasons.get((*key, anchor), "not measured")
@@ -423,36 +416,23 @@ def format_features_table(records: Sequence[dict], skipped: Sequence[dict],
     cell = _cell(records)
     unsupported = {(s.get("case"), s.get("pass"), s["impl"]) for s in skipped
                    if s.get("unsupported")}
-    header = ["case", "shape"] + list(impls) + [label for _, label in ANCHORS]
     rows = []
     for case in cases:
         row = [case.name, case.label()]
         for impl in impls:
-            value = cell.get((case.name, pass_name, impl))
+            key = (case.name, pass_name, impl)
             if not applies(impl, case):
                 row.append("")
-            elif value is not None:
-                row.append(f"{value:.1f}")
-            elif (case.name, pass_name, impl) in unsupported:
-                row.append("n/a")
             else:
-                row.append("-")
-        for anchor, _ in ANCHORS:
-            r = bench.ratio(cell.get((case.name, pass_name, "cute_attn")),
-                            cell.get((case.name, pass_name, anchor)))
-            row.append("-" if r is None else f"{r:.3f}")
-        rows.append(row)
-    widths = [max(len(line[i]) for line in [header] + rows) for i in range(len(header))]
-
-    def fmt(line):
-        return "  ".join(text.ljust(w) if i < 2 else text.rjust(w)
-                         for i, (text, w) in enumerate(zip(line, widths)))
-
-    lines = [f"{DTYPE_NAME} {pass_name}, TFLOP/s (exact visible-pair FLOPs"
-             f"{', x2.5' if pass_name == 'bwd' else ''})", fmt(header),
-             fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
-    if not rows:
-        lines.append("(no cases)")
+                value = cell.get(key)
+                row.append("n/a" if value is None and key in unsupported
+                           else harness.tflops_cell(value))
+        rows.append(row + harness.ratio_cells(
+            lambda impl, name=case.name: cell.get((name, pass_name, impl))))
+    title = (f"{DTYPE_NAME} {pass_name}, TFLOP/s (exact visible-pair FLOPs"
+             f"{', x2.5' if pass_name == 'bwd' else ''})")
+    lines = [harness.text_table(title, ["case", "shape", *impls, *harness.RATIO_LABELS],
+                                rows, left=2, empty="(no cases)")]
     notes = [f"  {name}: {text}" for name, text in EXTRAS.items() if name in impls]
     if notes:
         lines.append("n/a = not supported (reason in the JSON), - = not measured, blank = "
@@ -461,37 +441,10 @@ def format_features_table(records: Sequence[dict], skipped: Sequence[dict],
     return "\n".join(lines)
 
 
-def features_result_path(directory: Path, slug: str) -> Path:
-    return Path(directory) / f"{slug}-features.json"
-
-
 def fa4_window(window_size: Sequence[int]) -> tuple[int | None, int | None]:
     """FA4 spells an unbounded side None, not -1."""
     left, right = (int(x) for x in window_size)
     return (None if left < 0 else left, None if right < 0 else right)
-
-
-def parse_passes(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    if not names or any(n not in PASSES for n in names):
-        raise argparse.ArgumentTypeError(f"expected a comma list from {PASSES}, got {text!r}")
-    return [p for p in PASSES if p in names]
-
-
-def parse_groups(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    if not names or any(n not in GROUPS for n in names):
-        raise argparse.ArgumentTypeError(f"expected a comma list from {GROUPS}, got {text!r}")
-    return [g for g in GROUPS if g in names]
-
-
-def parse_feature_impls(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [n for n in names if n not in IMPLS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown impl(s) {unknown or text!r}; choose from {','.join(IMPLS)}")
-    return [n for n in IMPLS if n in names]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -502,13 +455,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     which.add_argument("--fwd", action="store_true", help="forward only")
     which.add_argument("--bwd", action="store_true",
                        help="backward only (torch.autograd.grad of out, as bench.py --bwd)")
-    p.add_argument("--cases", type=parse_groups, default=list(GROUPS),
+    p.add_argument("--cases", type=functools.partial(harness.parse_names, choices=GROUPS),
+                   default=list(GROUPS),
                    help=f"comma list of case groups from {','.join(GROUPS)} (default all)")
-    p.add_argument("--impls", type=parse_feature_impls, default=list(IMPLS),
-                   help=f"comma list from {','.join(IMPLS)} (default: all that import)")
-    p.add_argument("--rounds", type=bench.parse_positive_int, default=None,
-                   help=f"interleaved rounds per case (default {ROUNDS}; --quick "
-                        f"{QUICK_ROUNDS})")
+    harness.add_impls_and_rounds(p, IMPLS, rounds=ROUNDS, quick_rounds=QUICK_ROUNDS,
+                                 per="case")
     p.add_argument("--quick", action="store_true",
                    help="correctness check vs attention_ref first (exit 1 if cute_attn is "
                         "wrong), then 1 round of 3 cases; files only with --out")
@@ -518,7 +469,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="also write the JSON here (with --quick: only here)")
     args = p.parse_args(argv)
-    args.passes = ["fwd"] if args.fwd else ["bwd"] if args.bwd else list(PASSES)
+    args.passes = ["fwd"] if args.fwd else ["bwd"] if args.bwd else list(harness.PASSES)
     if args.rounds is None:
         args.rounds = QUICK_ROUNDS if args.quick else ROUNDS
     return args
@@ -592,15 +543,9 @@ class Bound:
 
     def __post_init__(self):
         if self.dout_for is None:
-            self.dout_for = _dout_like
+            self.dout_for = harness.dout_like
         if self.unpack is None:
             self.unpack = lambda t: t
-
-
-def _dout_like(out, dout):
-    import torch
-
-    return torch.empty_like(out).copy_(dout)
 
 
 def _sdpa_backend_context(backend_name: str = "CUDNN_ATTENTION"):
@@ -656,7 +601,7 @@ def bind_sdpa_cudnn_padded(case: Case, inp: Inputs) -> Bound:
     gqa = {"enable_gqa": True} if case.gqa else {}
     return Bound(
         lambda: _sdpa(qp, kp, vp, is_causal=True, **gqa), leaves,
-        dout_for=lambda out, dout: _dout_like(out, pad_packed(dout, lengths, max_len)),
+        dout_for=lambda out, dout: harness.dout_like(out, pad_packed(dout, lengths, max_len)),
         unpack=lambda t: unpad(t, lengths), context=_sdpa_backend_context())
 
 
@@ -715,16 +660,13 @@ def make_inputs(case: Case, dtype, device, *, requires_grad: bool, seed: int = 0
     """Random-normal q, k, v (+ dout), and int32 cu_seqlens for varlen."""
     import torch
 
-    gen = torch.Generator(device=device).manual_seed(seed)
     lead = (case.tokens,) if case.varlen else (case.batch, case.seqlen)
     shape_q = (*lead, case.nheads, case.headdim)
     shape_kv = (*lead, case.nheads_kv, case.headdim)
-
-    def randn(shape):
-        return torch.randn(shape, device=device, dtype=dtype, generator=gen)
-
-    q, k, v = (randn(s).requires_grad_(requires_grad) for s in (shape_q, shape_kv, shape_kv))
-    dout = randn(shape_q) if requires_grad else None
+    shapes = [shape_q, shape_kv, shape_kv] + ([shape_q] if requires_grad else [])
+    q, k, v, *dout = harness.random_tensors(shapes, dtype, device, seed)
+    q, k, v = (t.requires_grad_(requires_grad) for t in (q, k, v))
+    dout = dout[0] if dout else None
     cu = (torch.tensor(cu_seqlens(case.seqlens), dtype=torch.int32, device=device)
           if case.varlen else None)
     return Inputs(q, k, v, dout, cu)
@@ -747,142 +689,65 @@ def reference_out(case: Case, q, k, v, *, upcast: bool):
 # GPU side
 # ----------------------------------------------------------------------------------------
 
-log = bench.log
+def _load_fa4() -> harness.Impl:
+    from flash_attn.cute import flash_attn_varlen_func  # noqa: F401  (bind_fa4's varlen call)
+
+    return harness.load_fa4()
 
 
-def _do_bench(fn) -> float:
-    return bench._do_bench(fn)
+# Only the versions and import times of what loads are used: the calls are BINDERS'.
+LOADERS = {"cute_attn": harness.load_cute_attn, "fa4": _load_fa4}
+LOADERS.update({name: functools.partial(harness.load_sdpa, name, "CUDNN_ATTENTION")
+                for name in IMPLS if name.startswith("sdpa_cudnn")})
 
 
-def cuda_is_healthy() -> bool:
-    return bench.cuda_is_healthy()
-
-
-def _synchronize():
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-@dataclass
-class Backend:
-    name: str
-    version: str | None = None
-    import_s: float = 0.0
-
-
-def load_backends(names: Sequence[str]) -> tuple[dict[str, Backend], list[dict]]:
+def load_backends(names: Sequence[str]) -> tuple[dict[str, harness.Impl], list[dict]]:
     """Import what each implementation needs; a failure is a skip (recorded), not a crash."""
-    import torch
-
-    def load(name):
-        if name == "cute_attn":
-            import cute_attn  # noqa: F401
-
-            with contextlib.suppress(ImportError):
-                import cutlass.cute  # noqa: F401  (the DSL's import out of the first call)
-            return bench._git_describe()
-        if name == "fa4":
-            from flash_attn.cute import flash_attn_func, flash_attn_varlen_func  # noqa: F401
-
-            return bench.package_version("flash-attn-4")
-        from torch.nn.attention import SDPBackend  # noqa: F401
-
-        return f"torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}"
-
-    loaded, skipped = {}, []
-    for name in names:
-        t0 = time.perf_counter()
-        try:
-            version = load(name)
-        except Exception as exc:  # noqa: BLE001
-            reason = bench._reason(exc)
-            log(f"[skip] {name}: not available ({reason})")
-            skipped.append({"impl": name, "case": None, "pass": None, "reason": reason})
-            continue
-        loaded[name] = Backend(name, version, time.perf_counter() - t0)
-        log(f"[ok]   {name}: {version or ''} (import {loaded[name].import_s:.2f} s)")
-    return loaded, skipped
+    return harness.load_impls(names, LOADERS, blank_keys=("case", "pass"))
 
 
-def make_timer(bound: Bound, pass_name: str, dout=None) -> Callable[[], float]:
-    """First call now (compile; errors surface here), then a one-round timer, as bench.py's
-    make_fwd_timer / make_bwd_timer: the backward times autograd.grad of an out built once."""
-    import torch
-
-    with bound.context():
-        if pass_name == "fwd":
-            bound.fn()
-            _synchronize()
-
-            def one_round() -> float:
-                with bound.context():
-                    return _do_bench(bound.fn)
-
-            return one_round
-        out = bound.fn()
-        if out.grad_fn is None:
-            raise bench.BackwardUnsupported("output has no grad_fn (not differentiable)")
-        dout_like = bound.dout_for(out, dout)
-        torch.autograd.grad(out, bound.leaves, dout_like, retain_graph=True)
-        _synchronize()
-
-    def backward():
-        return torch.autograd.grad(out, bound.leaves, dout_like, retain_graph=True)
-
-    def one_round() -> float:
-        with bound.context():
-            return _do_bench(backward)
-
-    return one_round
-
-
-def _skip(skipped: list[dict], impl: str, case: Case, pass_name: str, reason: str,
-          unsupported: bool) -> None:
-    entry = {"impl": impl, "case": case.name, "pass": pass_name, "reason": reason}
-    if unsupported:
-        entry["unsupported"] = True
-    skipped.append(entry)
-    log(f"  [{'n/a' if unsupported else 'skip'}] {impl} on {case.name} {pass_name}: "
-        f"{reason}")
+def make_timer(bound: Bound, pass_name: str, dout=None,
+               name: str = "the implementation") -> Callable[[], float]:
+    """harness.make_timer of a bound implementation: first call now, then a one-round timer;
+    the backward times autograd.grad of an out built once with respect to bound.leaves."""
+    return harness.make_timer(bound.fn, pass_name, context=bound.context,
+                              leaves=bound.leaves, dout=dout, dout_for=bound.dout_for,
+                              name=name)
 
 
 def _is_unsupported(exc: BaseException) -> bool:
-    """NotImplementedError / no grad_fn (bench.is_unsupported), or SDPA refusing the inputs
+    """NotImplementedError / no grad_fn (harness.is_unsupported), or SDPA refusing the inputs
     under the forced backend ("No available kernel"; jagged: "No viable backend")."""
     text = str(exc)
-    return (bench.is_unsupported(exc) or "No available kernel" in text
+    return (harness.is_unsupported(exc) or "No available kernel" in text
             or "No viable backend" in text)
 
 
 def time_case(case: Case, impls: Sequence[str], pass_name: str, inputs: Inputs,
               skipped: list[dict], *, rounds: int,
               cudnn_nested: bool = True) -> tuple[dict[str, list[float]], bool]:
-    """Bind and first-call every impl, then `rounds` interleaved rounds (bench.run_rounds).
-    Returns ({impl: ms per round}, cuda_still_healthy); skips go to `skipped`."""
-    timers = {}
+    """Bind and first-call every impl that applies and is not known to be unsupported, then
+    `rounds` interleaved rounds (harness.time_interleaved). Returns ({impl: ms per round},
+    cuda_still_healthy); skips go to `skipped`."""
+    where = f"on {case.name} {pass_name}"
+
+    def skip(name: str, why: str, unsupported: bool) -> None:
+        harness.record_skip(skipped, {"impl": name, "case": case.name, "pass": pass_name,
+                                      "reason": why}, where, unsupported)
+
+    def first_call(name: str) -> Callable[[], float]:
+        return make_timer(BINDERS[name](case, inputs), pass_name, inputs.dout, name)
+
+    first_calls = {}
     for name in [n for n in impls if applies(n, case)]:
-        reason = unsupported_reason(name, case, pass_name, cudnn_nested)
-        if reason is not None:
-            _skip(skipped, name, case, pass_name, reason, unsupported=True)
+        why = unsupported_reason(name, case, pass_name, cudnn_nested)
+        if why is not None:
+            skip(name, why, unsupported=True)
             continue
-        try:
-            timers[name] = make_timer(BINDERS[name](case, inputs), pass_name, inputs.dout)
-        except Exception as exc:  # noqa: BLE001 - skip this impl here, keep going
-            _skip(skipped, name, case, pass_name, bench._reason(exc), _is_unsupported(exc))
-            if not cuda_is_healthy():
-                return {}, False
-    healthy = [True]
-
-    def stop_if_broken(name, exc) -> bool:
-        healthy[0] = cuda_is_healthy()
-        return not healthy[0]
-
-    ms_rounds, errors = bench.run_rounds(timers, rounds, stop_if_broken)
-    for name, exc in errors.items():
-        _skip(skipped, name, case, pass_name, bench._reason(exc), _is_unsupported(exc))
-    return ms_rounds, healthy[0]
+        first_calls[name] = functools.partial(first_call, name)
+    return harness.time_interleaved(
+        first_calls, rounds, lambda name, exc: skip(name, harness.reason(exc),
+                                                    _is_unsupported(exc)))
 
 
 def run_cases(cases: Sequence[Case], impls: Sequence[str], passes: Sequence[str], dtype,
@@ -903,7 +768,7 @@ def run_cases(cases: Sequence[Case], impls: Sequence[str], passes: Sequence[str]
                     rec = make_feature_record(name, case, pass_name, ms_rounds[name])
                     records.append(rec)
                     parts.append(f"{name} {rec['tflops']:.0f} "
-                                 f"(spread {bench.round_spread(rec['ms_rounds']):.0%})")
+                                 f"(spread {harness.round_spread(rec['ms_rounds']):.0%})")
             log("  TFLOP/s: " + (", ".join(parts) or "nothing measured"))
             del inputs
             if not healthy:
@@ -913,12 +778,8 @@ def run_cases(cases: Sequence[Case], impls: Sequence[str], passes: Sequence[str]
 
 
 def _grads_of(bound: Bound, dout):
-    import torch
-
     out = bound.fn()
-    if out.grad_fn is None:
-        raise bench.BackwardUnsupported("output has no grad_fn")
-    grads = torch.autograd.grad(out, bound.leaves, bound.dout_for(out, dout))
+    grads = harness.grads_of(out, bound.leaves, bound.dout_for(out, dout))
     return [bound.unpack(g) for g in grads]
 
 
@@ -935,7 +796,7 @@ def check_case(case: Case, impls: Sequence[str], passes: Sequence[str], dtype, d
                cudnn_nested: bool = True) -> dict[str, str]:
     """Each impl vs the reference on `case` (meant for a small_version): forward out, and
     dq/dk/dv when "bwd" is in passes. Returns {impl: "ok" | "FAIL" | "n/a: why" |
-    "raised: why"}; the pass rule is bench.check_error's."""
+    "raised: why"}; the pass rule is harness.check_error's."""
     with_grad = "bwd" in passes
     impls = [name for name in impls if applies(name, case)]
     inputs = make_inputs(case, dtype, device, requires_grad=with_grad, seed=7)
@@ -955,40 +816,28 @@ def check_case(case: Case, impls: Sequence[str], passes: Sequence[str], dtype, d
             bound = BINDERS[name](case, inputs)
             with bound.context():
                 out = bound.unpack(bound.fn())
-                checks = [("out", bench.check_error(out.detach(), ref, ref_lp))]
+                checks = [("out", harness.check_error(out.detach(), ref, ref_lp))]
                 if with_grad and unsupported_reason(name, case, "bwd", cudnn_nested) is None:
                     grads = _grads_of(bound, inputs.dout)
-                    checks += [(w, bench.check_error(g, r, lp)) for w, g, r, lp in
+                    checks += [(w, harness.check_error(g, r, lp)) for w, g, r, lp in
                                zip(("dq", "dk", "dv"), grads, ref_g, lp_g)]
-            _synchronize()
+            harness.synchronize()
         except Exception as exc:  # noqa: BLE001
-            status[name] = f"raised: {bench._reason(exc)}"
+            status[name] = f"raised: {harness.reason(exc)}"
             detail = traceback.format_exc() if name == "cute_attn" else status[name]
             log(f"  {name:<17} {case.name}: RAISED\n{detail}")
-            if not cuda_is_healthy():
+            if not harness.cuda_is_healthy():
                 status["cuda_broken"] = "yes"
                 return status
             continue
         ok = all(c["ok"] for _, c in checks)
         status[name] = "ok" if ok else "FAIL"
         for what, c in checks:
-            log(f"  {name:<17} {case.name} {what:<3} max err {c['err']:.3e} tol {c['tol']:.3e}"
-                f" {'ok' if c['ok'] else 'FAIL'} {c['why']}")
+            log(harness.check_line(f"{name:<17} {case.name} {what:<3}", c))
     return status
 
 
 DEVICE = "cuda"
-
-
-def _cuda_setup() -> str:
-    """The GPU's name, after creating the CUDA context (kept out of first-call times)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        sys.exit("perf/bench_features.py needs a CUDA GPU (torch.cuda.is_available() is "
-                 "False)")
-    torch.ones(1, device=DEVICE)
-    return torch.cuda.get_device_name()
 
 
 def main(argv=None) -> int:
@@ -998,13 +847,11 @@ def main(argv=None) -> int:
         os.environ.setdefault(CUDNN_NESTED_ENV, "1")
     import torch
 
-    device_name = _cuda_setup()
+    device_name = harness.cuda_setup("perf/bench_features.py")
     dtype = torch.bfloat16
-    slug = bench.device_slug(device_name)
     cudnn_nested = args.cudnn_nested and os.environ.get(CUDNN_NESTED_ENV) == "1"
-    log(f"{device_name} | torch {torch.__version__} | CUDA {torch.version.cuda} | cuDNN "
-        f"{torch.backends.cudnn.version()} | cutlass-dsl "
-        f"{bench.package_version('nvidia-cutlass-dsl')} | passes {','.join(args.passes)}, "
+    info = harness.run_info()
+    log(f"{harness.describe_run(device_name, info)} | passes {','.join(args.passes)}, "
         f"{args.rounds} round(s) | {CUDNN_NESTED_ENV}={os.environ.get(CUDNN_NESTED_ENV)}")
 
     backends, skipped = load_backends(args.impls)
@@ -1045,21 +892,15 @@ def main(argv=None) -> int:
     for pass_name in args.passes:
         log("\n" + format_features_table(records, skipped, cases, pass_name, impls))
 
-    ratios = case_ratios(records, skipped)
-    results = bench.build_results(
-        device_name, records, torch_version=torch.__version__,
-        cutlass_dsl=bench.package_version("nvidia-cutlass-dsl"), cuda=torch.version.cuda,
-        cudnn=torch.backends.cudnn.version(),
-        impls={n: {"version": b.version, "import_s": b.import_s} for n, b in backends.items()},
-        extras=EXTRAS, cases=[c.describe() for c in cases], ratios=ratios, skipped=skipped,
-        checks=checks or None,
+    results = harness.build_results(
+        device_name, records, **info, impls=harness.impl_versions(backends), extras=EXTRAS,
+        cases=[c.describe() for c in cases], ratios=case_ratios(records, skipped),
+        skipped=skipped, checks=checks or None,
         method={
             "flops": "fwd = 4 * headdim * nheads * sum over sequences of visible (query, key) "
                      "pairs, bottom-right aligned, window (left, right), causal -> right = 0;"
-                     f" bwd = {BWD_FLOP_FACTOR} * fwd",
-            "timing": f"{args.rounds} interleaved rounds per case and pass (order rotated), "
-                      f"each a triton.testing.do_bench median, warmup={bench.WARMUP_MS} ms, "
-                      f"rep={bench.REP_MS} ms; ms = median of rounds",
+                     f" bwd = {harness.BWD_FLOP_FACTOR} * fwd",
+            "timing": harness.timing_method(args.rounds, "case and pass"),
             "bwd_timed": "torch.autograd.grad(out, leaves, dout, retain_graph=True), out "
                          "built once",
             "passes": args.passes, "rounds": args.rounds, "quick": args.quick,
@@ -1067,22 +908,11 @@ def main(argv=None) -> int:
             CUDNN_NESTED_ENV: os.environ.get(CUDNN_NESTED_ENV),
         },
     )
-    dirs = [] if args.quick else [DEFAULT_RESULTS_DIR]
-    if args.out is not None:
-        dirs.append(args.out)
-    for directory in dirs:
-        directory.mkdir(parents=True, exist_ok=True)
-        path = features_result_path(directory, slug)
-        path.write_text(json.dumps(results, indent=1) + "\n")
+    slug = harness.device_slug(device_name)
+    for directory in harness.output_dirs(args.out, args.quick):
+        path = harness.write_json(results, harness.result_path(directory, slug, "features"))
         log(f"wrote {path}")
-
-    failed += bench.summarize_skips(skipped, args.impls, notes)
-    for note in notes:
-        log("NOTE: " + note)
-    if failed:
-        log("\nFINISHED WITH PROBLEMS: " + "; ".join(failed))
-        return 1
-    return 0
+    return harness.finish(failed, skipped, args.impls, notes)
 
 
 if __name__ == "__main__":

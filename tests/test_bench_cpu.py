@@ -1,6 +1,7 @@
-"""CPU tests of perf/bench.py's pure helpers: FLOPs, slug, table, records, JSON, the check,
-the interleaved timing rounds, and the backward timer and sweep run on CPU tensors (with
-do_bench and CUDA synchronisation stubbed out).
+"""CPU tests of perf/bench.py's pure helpers and of the perf/harness.py ones it runs on:
+FLOPs, slug, table, records, JSON, the check, the interleaved timing rounds, and the
+backward timer and sweep run on CPU tensors (with do_bench and CUDA synchronisation stubbed
+out). tests/test_harness_cpu.py has the rest of perf/harness.py.
 
 Loads the script by path, so it needs neither a GPU, triton nor `perf` being a package.
 """
@@ -8,6 +9,7 @@ Loads the script by path, so it needs neither a GPU, triton nor `perf` being a p
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-BENCH_PATH = Path(__file__).resolve().parents[1] / "perf" / "bench.py"
+PERF = Path(__file__).resolve().parents[1] / "perf"
+BENCH_PATH = PERF / "bench.py"
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +28,11 @@ def bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def harness(bench):
+    return bench.harness  # perf/harness.py, as bench.py imported it
 
 
 def test_import_needs_no_gpu_stack():
@@ -46,27 +54,51 @@ def test_import_needs_no_gpu_stack():
         assert flag in proc.stdout
 
 
+def _notebook_names(module):
+    """The attributes of `module` (bench, variants) that the notebooks' code cells use."""
+    names = set()
+    for path in (PERF.parent / "notebooks").glob("*.ipynb"):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                names |= set(re.findall(rf"\b{module}\.(\w+)", "".join(cell["source"])))
+    return names - {"py"}  # "perf/bench.py" in a comment
+
+
+def test_notebook_names_stay(bench):
+    # notebooks/01, 04, 05 and 06 use bench's helpers, most of them in perf/harness.py now
+    names = _notebook_names("bench")
+    assert {"check_error", "format_table", "run_sweep", "load_impls"} <= names
+    assert [n for n in sorted(names) if not hasattr(bench, n)] == []
+    spec = importlib.util.spec_from_file_location("perf_variants_under_test",
+                                                  PERF / "variants.py")
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    assert "variants_for" in _notebook_names("variants")
+    assert [n for n in sorted(_notebook_names("variants")) if not hasattr(variants, n)] == []
+
+
 @pytest.mark.parametrize("b,h,s,d", [(8, 16, 2048, 128), (1, 3, 77, 64)])
-def test_flops_formula(bench, b, h, s, d):
-    full = bench.attention_flops(b, h, s, s, d, causal=False)
+def test_flops_formula(harness, b, h, s, d):
+    full = harness.attention_flops(b, h, s, s, d, causal=False)
     assert full == 4 * b * h * s * s * d
-    assert bench.attention_flops(b, h, s, s, d, causal=True) == full / 2
+    assert harness.attention_flops(b, h, s, s, d, causal=True) == full / 2
 
 
-def test_flops_rectangular(bench):
-    assert bench.attention_flops(2, 4, 100, 300, 64, causal=False) == 4 * 2 * 4 * 100 * 300 * 64
+def test_flops_rectangular(harness):
+    assert (harness.attention_flops(2, 4, 100, 300, 64, causal=False)
+            == 4 * 2 * 4 * 100 * 300 * 64)
 
 
-def test_tflops(bench):
+def test_tflops(harness):
     # 1e12 FLOPs in 1 ms is 1000 TFLOP/s.
-    assert bench.tflops(1e12, 1.0) == pytest.approx(1000.0)
+    assert harness.tflops(1e12, 1.0) == pytest.approx(1000.0)
     with pytest.raises(ValueError):
-        bench.tflops(1e12, 0.0)
+        harness.tflops(1e12, 0.0)
 
 
-def test_hdim128_seqlen8k_flops_matches_notes(bench):
+def test_hdim128_seqlen8k_flops_matches_notes(harness):
     # perf/NOTES.md quotes this number for batch 2, 16 heads, seqlen 8192, headdim 128.
-    assert bench.attention_flops(2, 16, 8192, 8192, 128, causal=False) == 1099511627776
+    assert harness.attention_flops(2, 16, 8192, 8192, 128, causal=False) == 1099511627776
 
 
 @pytest.mark.parametrize("name,slug", [
@@ -75,21 +107,21 @@ def test_hdim128_seqlen8k_flops_matches_notes(bench):
     ("  NVIDIA H100 PCIe (MIG 1g.10gb) ", "nvidia-h100-pcie-mig-1g-10gb"),
     ("", "unknown-device"),
 ])
-def test_device_slug(bench, name, slug):
-    assert bench.device_slug(name) == slug
+def test_device_slug(harness, name, slug):
+    assert harness.device_slug(name) == slug
 
 
-def test_sweep_shapes(bench):
-    assert bench.sweep_shape(512, 64) == (32, 32)
-    assert bench.sweep_shape(16384, 128) == (1, 16)
+def test_sweep_shapes(bench, harness):
+    assert harness.sweep_shape(512, 64) == (32, 32)
+    assert harness.sweep_shape(16384, 128) == (1, 16)
     for s in bench.SEQLENS:
         for d in bench.HEADDIMS:
-            b, h = bench.sweep_shape(s, d)
+            b, h = harness.sweep_shape(s, d)
             assert b * s == 16384 and h * d == 2048
     with pytest.raises(ValueError, match="seqlen"):
-        bench.sweep_shape(3000, 128)
+        harness.sweep_shape(3000, 128)
     with pytest.raises(ValueError, match="headdim"):
-        bench.sweep_shape(1024, 96)
+        harness.sweep_shape(1024, 96)
 
 
 def test_make_record_schema(bench):
@@ -101,13 +133,13 @@ def test_make_record_schema(bench):
 
 @pytest.mark.parametrize("b,h,sq,sk,d", [(2, 16, 8192, 8192, 128), (3, 5, 77, 129, 64)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_bwd_flops_formula(bench, b, h, sq, sk, d, causal):
+def test_bwd_flops_formula(harness, b, h, sq, sk, d, causal):
     fwd = 4 * b * h * sq * sk * d / (2 if causal else 1)
-    assert bench.attention_flops(b, h, sq, sk, d, causal) == fwd
-    assert bench.attention_flops(b, h, sq, sk, d, causal, "fwd") == fwd
-    assert bench.attention_flops(b, h, sq, sk, d, causal, "bwd") == 2.5 * fwd
+    assert harness.attention_flops(b, h, sq, sk, d, causal) == fwd
+    assert harness.attention_flops(b, h, sq, sk, d, causal, "fwd") == fwd
+    assert harness.attention_flops(b, h, sq, sk, d, causal, "bwd") == 2.5 * fwd
     with pytest.raises(ValueError, match="pass_name"):
-        bench.attention_flops(b, h, sq, sk, d, causal, "backward")
+        harness.attention_flops(b, h, sq, sk, d, causal, "backward")
 
 
 def test_make_record_bwd_from_rounds(bench):
@@ -130,24 +162,24 @@ def test_make_record_bwd_from_rounds(bench):
     assert json.loads(json.dumps(rec)) == rec
 
 
-def test_median_and_spread(bench):
-    assert bench.median_ms([3.0, 1.0, 2.0]) == 2.0
-    assert bench.median_ms([4.0, 1.0, 2.0, 3.0]) == 2.5
-    assert bench.median_ms([0.7]) == 0.7
+def test_median_and_spread(harness):
+    assert harness.median_ms([3.0, 1.0, 2.0]) == 2.0
+    assert harness.median_ms([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert harness.median_ms([0.7]) == 0.7
     with pytest.raises(ValueError):
-        bench.median_ms([])
-    assert bench.round_spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
-    assert bench.round_spread([2.0, 2.0]) == 0.0
+        harness.median_ms([])
+    assert harness.round_spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+    assert harness.round_spread([2.0, 2.0]) == 0.0
 
 
-def test_round_order_rotates(bench):
+def test_round_order_rotates(harness):
     names = ["a", "b", "c", "d"]
-    assert bench.round_order(names, 0) == names
-    assert bench.round_order(names, 1) == ["b", "c", "d", "a"]
-    assert bench.round_order(names, 5) == bench.round_order(names, 1)
-    assert bench.round_order([], 3) == []
+    assert harness.round_order(names, 0) == names
+    assert harness.round_order(names, 1) == ["b", "c", "d", "a"]
+    assert harness.round_order(names, 5) == harness.round_order(names, 1)
+    assert harness.round_order([], 3) == []
     # Over len(names) rounds every name takes every position once.
-    positions = {n: sorted(bench.round_order(names, r).index(n) for r in range(4))
+    positions = {n: sorted(harness.round_order(names, r).index(n) for r in range(4))
                  for n in names}
     assert all(p == [0, 1, 2, 3] for p in positions.values())
 
@@ -161,35 +193,35 @@ def _recording_timers(names, calls, value=lambda name, i: 1.0):
     return {name: timer(name) for name in names}
 
 
-def test_run_rounds_interleaves(bench):
+def test_run_rounds_interleaves(harness):
     calls = []
     names = ["cute_attn", "fa4", "sdpa_cudnn"]
-    ms, errors = bench.run_rounds(
+    ms, errors = harness.run_rounds(
         _recording_timers(names, calls, value=lambda name, i: float(i)), rounds=4)
     assert errors == {}
     # Every round times each impl once, in the rotated order, before the next round starts.
-    assert calls == [n for r in range(4) for n in bench.round_order(names, r)]
+    assert calls == [n for r in range(4) for n in harness.round_order(names, r)]
     # Each impl's values are its own calls' results, in round order.
     for name in names:
         assert ms[name] == [float(i) for i, c in enumerate(calls) if c == name]
     assert list(ms) == names
 
 
-def test_run_rounds_cancel_a_drift(bench):
+def test_run_rounds_cancel_a_drift(harness):
     """A clock that drifts 3% per measurement: interleaved rounds keep the ratio of two impls
     close to the true 1.10, where timing one impl's rounds after the other's would not."""
     calls = []
     true_ms = {"a": 1.0, "b": 1.1}
-    ms, _ = bench.run_rounds(_recording_timers(
+    ms, _ = harness.run_rounds(_recording_timers(
         ["a", "b"], calls, value=lambda name, i: true_ms[name] * (1 + 0.03 * i)), rounds=5)
-    interleaved = bench.median_ms(ms["b"]) / bench.median_ms(ms["a"])
+    interleaved = harness.median_ms(ms["b"]) / harness.median_ms(ms["a"])
     assert interleaved == pytest.approx(1.10, abs=0.04)
     # The same 10 measurements back to back (a's five, then b's five) read 1.10 * 1.15.
     back_to_back = (1.1 * (1 + 0.03 * 7)) / (1 + 0.03 * 2)
     assert abs(back_to_back - 1.10) > 3 * abs(interleaved - 1.10)
 
 
-def test_run_rounds_drops_a_failing_impl(bench):
+def test_run_rounds_drops_a_failing_impl(harness):
     calls = []
 
     def value(name, i):
@@ -197,7 +229,7 @@ def test_run_rounds_drops_a_failing_impl(bench):
             raise RuntimeError("boom in round 2")
         return 1.0
 
-    ms, errors = bench.run_rounds(
+    ms, errors = harness.run_rounds(
         _recording_timers(["cute_attn", "fa4", "sdpa_flash"], calls, value), rounds=3,
         on_error=lambda name, exc: False)
     assert set(ms) == {"cute_attn", "sdpa_flash"}
@@ -206,7 +238,7 @@ def test_run_rounds_drops_a_failing_impl(bench):
     assert calls.count("fa4") == 2  # not called again after it raised
 
 
-def test_run_rounds_stop(bench):
+def test_run_rounds_stop(harness):
     calls = []
 
     def value(name, i):
@@ -214,43 +246,44 @@ def test_run_rounds_stop(bench):
             raise RuntimeError("illegal memory access")
         return 1.0
 
-    ms, errors = bench.run_rounds(_recording_timers(["a", "b", "c"], calls, value),
-                                  rounds=3, on_error=lambda name, exc: True)
+    ms, errors = harness.run_rounds(_recording_timers(["a", "b", "c"], calls, value),
+                                    rounds=3, on_error=lambda name, exc: True)
     assert ms == {} and list(errors) == ["b"]
     assert calls == ["a", "b"]  # stopped at once, "c" never ran
     with pytest.raises(ValueError, match="rounds"):
-        bench.run_rounds({}, rounds=0)
+        harness.run_rounds({}, rounds=0)
 
 
-def test_is_unsupported_and_skip_summary(bench):
-    assert bench.is_unsupported(NotImplementedError("no bwd"))
-    assert bench.is_unsupported(bench.BackwardUnsupported("no grad_fn"))
-    assert not bench.is_unsupported(RuntimeError("CUDA error"))
+def test_is_unsupported_and_skip_summary(bench, harness):
+    assert harness.is_unsupported(NotImplementedError("no bwd"))
+    assert harness.is_unsupported(harness.BackwardUnsupported("no grad_fn"))
+    assert not harness.is_unsupported(RuntimeError("CUDA error"))
     notes = []
     unsupported = {"impl": "cute_attn", "shape": None, "reason": "NotImplementedError: bwd",
                    "unsupported": True}
     broken = {"impl": "cute_attn", "shape": {"seqlen": 1024}, "reason": "RuntimeError: x"}
     anchor = {"impl": "fa4", "shape": None, "reason": "ImportError: no flash_attn"}
-    assert bench.summarize_skips([unsupported, anchor], bench.IMPLS, notes) == []
+    assert harness.summarize_skips([unsupported, anchor], bench.IMPLS, notes) == []
     assert len(notes) == 1 and "NotImplementedError: bwd" in notes[0]
-    assert bench.summarize_skips([broken, unsupported], bench.IMPLS, []) == [
+    assert harness.summarize_skips([broken, unsupported], bench.IMPLS, []) == [
         "cute_attn skipped 1 time(s)"]
-    assert bench.summarize_skips([broken], ["fa4"], []) == []
+    assert harness.summarize_skips([broken], ["fa4"], []) == []
 
 
-def test_ratio(bench):
-    assert bench.ratio(300.0, 600.0) == pytest.approx(0.5)
-    assert bench.ratio(None, 600.0) is None
-    assert bench.ratio(300.0, None) is None
-    assert bench.ratio(300.0, 0.0) is None
+def test_ratio(harness):
+    assert harness.ratio(300.0, 600.0) == pytest.approx(0.5)
+    assert harness.ratio(None, 600.0) is None
+    assert harness.ratio(300.0, None) is None
+    assert harness.ratio(300.0, 0.0) is None
 
 
 def _records(bench):
+    harness = bench.harness
     recs = []
     for impl, scale in [("cute_attn", 0.9), ("fa4", 1.0), ("sdpa_cudnn", 0.95)]:
         for s in (1024, 4096):
-            b, h = bench.sweep_shape(s, 128)
-            flops = bench.attention_flops(b, h, s, s, 128, causal=False)
+            b, h = harness.sweep_shape(s, 128)
+            flops = harness.attention_flops(b, h, s, s, 128, causal=False)
             ms = flops / (600e12 * scale) * 1e3  # so tflops = 600 * scale
             recs.append(bench.make_record(impl, "bf16", 128, False, b, h, s, s, ms))
     return recs
@@ -279,30 +312,32 @@ def test_table_ratio_missing_anchor(bench):
     assert row[-2] == "-" and row[-1] != "-"
 
 
-def test_results_json_schema(bench):
+def test_results_json_schema(bench, harness):
     recs = _records(bench)
     host = {"impls": {"cute_attn": {"us_per_call": 7.0, "first_call_s": 1.5}}}
-    res = bench.build_results("NVIDIA H100 80GB HBM3", recs, torch_version="2.11.0",
-                              cutlass_dsl=None, cuda="13.0", host=host, skipped=[])
-    for key in bench.RESULT_KEYS:
+    res = harness.build_results("NVIDIA H100 80GB HBM3", recs, torch_version="2.11.0",
+                                cutlass_dsl=None, cuda="13.0", host=host, skipped=[])
+    for key in harness.RESULT_KEYS:
         assert key in res
     assert res["host"] == host
     assert res["date"][:2] == "20" and "T" in res["date"]
     round_trip = json.loads(json.dumps(res))
     for rec in round_trip["records"]:
         assert set(bench.RECORD_KEYS) <= set(rec)
-    assert "host" not in bench.build_results("x", [], torch_version=None, cutlass_dsl=None,
-                                             cuda=None)
+    assert "host" not in harness.build_results("x", [], torch_version=None, cutlass_dsl=None,
+                                               cuda=None)
 
 
-def test_result_paths(bench, tmp_path):
-    j, p = bench.result_paths(tmp_path, "nvidia-h200")
+def test_result_paths(harness, tmp_path):
+    j = harness.result_path(tmp_path, "nvidia-h200", "fwd")
+    p = harness.result_path(tmp_path, "nvidia-h200", "fwd", ".png")
     assert j.name == "nvidia-h200-fwd.json" and p.name == "nvidia-h200-fwd.png"
-    j, p = bench.result_paths(tmp_path, "nvidia-h200", "bwd")
-    assert j.name == "nvidia-h200-bwd.json" and p.name == "nvidia-h200-bwd.png"
+    j = harness.result_path(tmp_path, "nvidia-h200", "bwd")
+    assert j.name == "nvidia-h200-bwd.json"
+    assert j.with_suffix(".png").name == "nvidia-h200-bwd.png"
     assert j.parent == tmp_path
     with pytest.raises(ValueError):
-        bench.result_paths(tmp_path, "nvidia-h200", "both")
+        harness.result_path(tmp_path, "nvidia-h200", "both")
 
 
 def test_table_title_names_the_pass(bench):
@@ -377,7 +412,7 @@ class _NoBackward(torch.autograd.Function):
         raise NotImplementedError("backward of this kernel is not written yet")
 
 
-def _cpu_impls(bench, forward_calls):
+def _cpu_impls(harness, forward_calls):
     def counted(q, k, v, causal):
         forward_calls.append(1)
         return _plain_attention(q, k, v, causal)
@@ -390,15 +425,15 @@ def _cpu_impls(bench, forward_calls):
         return out_bhsd.transpose(1, 2)
 
     return {
-        "cute_attn": bench.Impl("cute_attn", counted),
-        "sdpa_flash": bench.Impl("sdpa_flash", transposed),
-        "fa4": bench.Impl("fa4", lambda q, k, v, causal: _NoBackward.apply(q, k, v)),
-        "sdpa_cudnn": bench.Impl("sdpa_cudnn", lambda q, k, v, causal: q.detach() * 1),
+        "cute_attn": harness.Impl("cute_attn", counted),
+        "sdpa_flash": harness.Impl("sdpa_flash", transposed),
+        "fa4": harness.Impl("fa4", lambda q, k, v, causal: _NoBackward.apply(q, k, v)),
+        "sdpa_cudnn": harness.Impl("sdpa_cudnn", lambda q, k, v, causal: q.detach() * 1),
     }
 
 
 @pytest.fixture
-def cpu_gpu_side(bench, monkeypatch):
+def cpu_gpu_side(harness, monkeypatch):
     """Run the GPU-side helpers on CPU: no-op synchronize, do_bench = three plain calls."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     timed = []
@@ -408,26 +443,26 @@ def cpu_gpu_side(bench, monkeypatch):
             timed.append(fn())
         return 0.5 + 0.1 * len(timed)
 
-    monkeypatch.setattr(bench, "_do_bench", fake_do_bench)
-    monkeypatch.setattr(bench, "cuda_is_healthy", lambda: True)
+    monkeypatch.setattr(harness, "do_bench", fake_do_bench)
+    monkeypatch.setattr(harness, "cuda_is_healthy", lambda: True)
 
     def cpu_qkv(batch, seqlen, nheads, headdim, dtype, seed=0):
         gen = torch.Generator().manual_seed(seed)
         return [torch.randn(batch, seqlen, nheads, headdim, dtype=dtype, generator=gen)
                 for _ in range(3)]
 
-    monkeypatch.setattr(bench, "random_qkv", cpu_qkv)
+    monkeypatch.setattr(harness, "random_qkv", cpu_qkv)
     return timed
 
 
-def test_bwd_timer_times_only_the_backward(bench, cpu_gpu_side):
+def test_bwd_timer_times_only_the_backward(harness, cpu_gpu_side):
     timed = cpu_gpu_side
     forward_calls = []
-    impls = _cpu_impls(bench, forward_calls)
+    impls = _cpu_impls(harness, forward_calls)
     gen = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(2, 9, 3, 8, generator=gen) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    timer = bench.make_bwd_timer(impls["cute_attn"], q, k, v, dout, True)
+    timer = harness.make_bwd_timer(impls["cute_attn"], q, k, v, dout, True)
     assert len(forward_calls) == 1  # out built once, at set-up
     ms = timer()
     assert ms > 0 and len(timed) == 3
@@ -443,30 +478,30 @@ def test_bwd_timer_times_only_the_backward(bench, cpu_gpu_side):
     # its out: the (b, h, s, d) kernel sees a contiguous gradient.
     timed.clear()
     _ProbeGradLayout.seen.clear()
-    bench.make_bwd_timer(impls["sdpa_flash"], q, k, v, dout, True)()
+    harness.make_bwd_timer(impls["sdpa_flash"], q, k, v, dout, True)()
     for g, e in zip(timed[0], expected):
         torch.testing.assert_close(g, e)
     assert _ProbeGradLayout.seen and all(_ProbeGradLayout.seen)
 
 
-def test_bwd_timer_unsupported(bench, cpu_gpu_side):
-    impls = _cpu_impls(bench, [])
+def test_bwd_timer_unsupported(harness, cpu_gpu_side):
+    impls = _cpu_impls(harness, [])
     q, k, v, dout = (torch.randn(1, 4, 2, 8) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with pytest.raises(NotImplementedError) as info:
-        bench.make_bwd_timer(impls["fa4"], q, k, v, dout, False)
-    assert bench.is_unsupported(info.value)
-    with pytest.raises(bench.BackwardUnsupported, match="sdpa_cudnn .* no grad_fn"):
-        bench.make_bwd_timer(impls["sdpa_cudnn"], q, k, v, dout, False)
+        harness.make_bwd_timer(impls["fa4"], q, k, v, dout, False)
+    assert harness.is_unsupported(info.value)
+    with pytest.raises(harness.BackwardUnsupported, match="sdpa_cudnn .* no grad_fn"):
+        harness.make_bwd_timer(impls["sdpa_cudnn"], q, k, v, dout, False)
 
 
 @pytest.mark.parametrize("pass_name", ["fwd", "bwd"])
-def test_sweep_on_cpu(bench, cpu_gpu_side, monkeypatch, pass_name):
-    impls = _cpu_impls(bench, [])
+def test_sweep_on_cpu(bench, harness, cpu_gpu_side, monkeypatch, pass_name):
+    impls = _cpu_impls(harness, [])
     skipped = []
-    sweep_shape = bench.sweep_shape
+    sweep_shape = harness.sweep_shape
     # Tiny shapes: batch * seqlen = 64, nheads * headdim = 128.
-    monkeypatch.setattr(bench, "sweep_shape", lambda s, d: sweep_shape(s, d, 64, 128))
+    monkeypatch.setattr(harness, "sweep_shape", lambda s, d: sweep_shape(s, d, 64, 128))
     records, healthy = bench.run_sweep(impls, torch.float32, "fp32", [64], [False, True],
                                        [16, 32], skipped, pass_name=pass_name, rounds=3)
     assert healthy
@@ -477,14 +512,14 @@ def test_sweep_on_cpu(bench, cpu_gpu_side, monkeypatch, pass_name):
     for rec in records:
         assert set(bench.RECORD_KEYS) <= set(rec) and rec["pass"] == pass_name
         assert len(rec["ms_rounds"]) == 3
-        assert rec["ms"] == bench.median_ms(rec["ms_rounds"])
+        assert rec["ms"] == harness.median_ms(rec["ms_rounds"])
         assert rec["batch"] * rec["seqlen_q"] == 64 and rec["nheads"] == 2
     if pass_name == "bwd":
         # fa4 here raises NotImplementedError, sdpa_cudnn has no grad_fn: both unsupported,
         # once per shape, and neither fails the run.
         assert {s["impl"] for s in skipped} == {"fa4", "sdpa_cudnn"}
         assert len(skipped) == 2 * 2 * 2 and all(s["unsupported"] for s in skipped)
-        assert bench.summarize_skips(skipped, bench.IMPLS, []) == []
+        assert harness.summarize_skips(skipped, bench.IMPLS, []) == []
     else:
         assert skipped == []
 
@@ -514,16 +549,16 @@ def qkv():
     return q, k, v
 
 
-def test_check_accepts_correctly_rounded(bench, qkv):
+def test_check_accepts_correctly_rounded(harness, qkv):
     q, k, v = qkv
     ref = _attention(q, k, v, causal=True)
     lowp = _attention(*(t.bfloat16() for t in qkv), causal=True)
-    c = bench.check_error(ref.bfloat16(), ref, lowp)
+    c = harness.check_error(ref.bfloat16(), ref, lowp)
     assert c["ok"], c
 
 
 @pytest.mark.parametrize("wrong", ["missing_scale", "top_left", "non_causal", "nan"])
-def test_check_catches_wrong_answers(bench, qkv, wrong):
+def test_check_catches_wrong_answers(harness, qkv, wrong):
     q, k, v = qkv
     ref = _attention(q, k, v, causal=True)
     lowp = _attention(*(t.bfloat16() for t in qkv), causal=True)
@@ -536,37 +571,38 @@ def test_check_catches_wrong_answers(bench, qkv, wrong):
     else:
         bad = ref.clone()
         bad[0, 0, 0, 0] = float("nan")
-    c = bench.check_error(bad.bfloat16(), ref, lowp)
+    c = harness.check_error(bad.bfloat16(), ref, lowp)
     assert not c["ok"], c
 
 
-def test_check_catches_lse_base2(bench, qkv):
+def test_check_catches_lse_base2(harness, qkv):
     q, k, _ = qkv
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * 64 ** -0.5
     lse = scores.logsumexp(-1)
     lse_lowp = scores.bfloat16().float().logsumexp(-1)
-    assert bench.check_error(lse, lse, lse_lowp, floor=1e-3)["ok"]
-    assert not bench.check_error(lse / math.log(2), lse, lse_lowp, floor=1e-3)["ok"]
+    assert harness.check_error(lse, lse, lse_lowp, floor=1e-3)["ok"]
+    assert not harness.check_error(lse / math.log(2), lse, lse_lowp, floor=1e-3)["ok"]
 
 
-def test_check_shape_mismatch(bench, qkv):
+def test_check_shape_mismatch(harness, qkv):
     q, k, v = qkv
     ref = _attention(q, k, v, causal=False)
-    c = bench.check_error(ref.transpose(1, 2), ref, ref)
+    c = harness.check_error(ref.transpose(1, 2), ref, ref)
     assert not c["ok"] and "shape" in c["why"]
 
 
-def test_plot_is_small(bench, tmp_path):
+def test_plot_is_small(bench, harness, tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib not installed on this machine")
     recs = []
     for d in (64, 128):
         for causal in (False, True):
             for impl in bench.IMPLS:
                 for s in bench.SEQLENS:
-                    b, h = bench.sweep_shape(s, d)
+                    b, h = harness.sweep_shape(s, d)
                     recs.append(bench.make_record(impl, "bf16", d, causal, b, h, s, s,
                                                   ms=1.0 + s / 1e4))
     path = tmp_path / "plot.png"
-    bench.plot_results(recs, path, "NVIDIA H100 80GB HBM3", list(bench.IMPLS))
+    harness.plot_sweep(recs, path, "NVIDIA H100 80GB HBM3", list(bench.IMPLS),
+                       palette=bench.IMPLS)
     assert path.read_bytes()[:4] == b"\x89PNG"
     assert path.stat().st_size < 100_000

@@ -103,7 +103,7 @@ def test_window_16k_exact(bf):
 
 @pytest.mark.parametrize("b,h,s,d", [(2, 32, 8192, 128), (8, 32, 2048, 128), (3, 5, 77, 64)])
 def test_flops_vs_bench_convention(bf, b, h, s, d):
-    bench = bf.bench  # perf/bench.py, as bench_features imported it
+    bench = bf.harness  # perf/bench.py's FLOP convention, in perf/harness.py
     seqs = [(s, s)] * b
     assert bf.feature_flops(d, h, seqs) == bench.attention_flops(b, h, s, s, d, False)
     # Causal: exact s(s+1)/2 pairs vs bench.py's s^2/2, i.e. (1 + 1/s) more.
@@ -313,7 +313,8 @@ def test_ratios_and_table(bf):
 
 
 def test_result_path_and_args(bf, tmp_path):
-    assert bf.features_result_path(tmp_path, "nvidia-h200").name == "nvidia-h200-features.json"
+    path = bf.harness.result_path(tmp_path, "nvidia-h200", "features")
+    assert path.name == "nvidia-h200-features.json"
     full = bf.parse_args([])
     assert full.passes == ["fwd", "bwd"] and full.rounds == 3 and not full.quick
     assert full.impls == list(bf.IMPLS) and full.cases == list(bf.GROUPS)
@@ -435,8 +436,8 @@ def cpu_run(bf, monkeypatch, cpu_sdpa):
             raise RuntimeError("pretend FA4 broke on varlen")
         return _ref_binder(bf)(case, inp)
 
-    monkeypatch.setattr(bf, "_do_bench", fake_do_bench)
-    monkeypatch.setattr(bf, "cuda_is_healthy", lambda: True)
+    monkeypatch.setattr(bf.harness, "do_bench", fake_do_bench)
+    monkeypatch.setattr(bf.harness, "cuda_is_healthy", lambda: True)
     monkeypatch.setitem(bf.BINDERS, "cute_attn", _ref_binder(bf))
     monkeypatch.setitem(bf.BINDERS, "fa4", fa4_binder)
     return timed
@@ -473,7 +474,7 @@ def test_run_cases_on_cpu(bf, cpu_run, pass_name):
         assert all(isinstance(t, tuple) and len(t) == 3 for t in cpu_run)
     # The extras are silent where they do not apply.
     assert ("t-gqa", "sdpa_cudnn_padded") not in reasons
-    assert bf.bench.summarize_skips(skipped, bf.IMPLS, []) == []
+    assert bf.harness.summarize_skips(skipped, bf.IMPLS, []) == []
 
 
 def test_bwd_timer_differentiates_the_leaves(bf, cpu_run):
@@ -494,7 +495,7 @@ def test_bwd_timer_differentiates_the_leaves(bf, cpu_run):
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e)
     assert inp.q.grad is None
-    with pytest.raises(bf.bench.BackwardUnsupported):
+    with pytest.raises(bf.harness.BackwardUnsupported):
         bf.make_timer(bf.Bound(lambda: inp.q.detach() * 1, (inp.q,)), "bwd", inp.dout)
 
 
@@ -520,11 +521,11 @@ def test_check_case_catches_a_wrong_impl(bf, cpu_run, monkeypatch, with_bwd):
 @pytest.fixture
 def cpu_main(bf, cpu_run, monkeypatch, tmp_path):
     """main() on the CPU: no CUDA set-up, every backend 'imported', tiny cases."""
-    monkeypatch.setattr(bf, "_cuda_setup", lambda: "Fake GPU 80GB")
+    monkeypatch.setattr(bf.harness, "cuda_setup", lambda script: "Fake GPU 80GB")
     monkeypatch.setattr(bf, "DEVICE", "cpu")
-    monkeypatch.setattr(bf, "DEFAULT_RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(bf.harness, "DEFAULT_RESULTS_DIR", tmp_path / "results")
     monkeypatch.setattr(bf, "load_backends", lambda names: (
-        {n: bf.Backend(n, "test") for n in names}, []))
+        {n: bf.harness.Impl(n, None, version="test") for n in names}, []))
     monkeypatch.setattr(bf, "build_cases", lambda quick=False, groups=bf.GROUPS: [
         _tiny(bf, g) for g in groups])
     monkeypatch.setenv(bf.CUDNN_NESTED_ENV, "1")
