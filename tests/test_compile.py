@@ -98,7 +98,12 @@ def test_backward_compiles_with_hopper_instructions(compiled_bwd, dtype, head_di
     # the five products: S^T and dP^T from smem, dV and dK with A from registers, dQ
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{wgmma_type}", text)
     assert "cp.async.bulk.tensor" in text  # TMA loads of Q, K, V, dO and the dK/dV stores
-    assert "cp.async.bulk.shared::cluster.global" in text  # LSE2 and D chunks
+    # LSE2 and D chunks: 1-D tiles of (rows, heads, batch) by tensor map, no raw bulk copy
+    # (racecheck cannot order a raw bulk copy's write after the consumers' loads)
+    assert "cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier" in text
+    assert "cp.async.bulk.shared::cluster.global" not in text
+    # every consumer warp syncs before its lane 0 releases a stage it read with loads
+    assert "bar.warp.sync" in text
     assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in text  # dQ
     assert "setmaxnreg.dec" in text and "setmaxnreg.inc" in text
     assert "mbarrier.try_wait" in text

@@ -40,11 +40,11 @@ def make_tma_tensor(op, tensor: cute.Tensor, smem_layout, tile: tuple) -> TmaTen
     return TmaTensor(atom, coords)
 
 
-def tma_partition(tma: TmaTensor, s: cute.Tensor, g: cute.Tensor):
-    """(shared, global) views of a 2-D tile (plus any trailing stage / block modes) for
-    tma.atom, without multicast."""
+def tma_partition(tma: TmaTensor, s: cute.Tensor, g: cute.Tensor, tile_rank: int = 2):
+    """(shared, global) views of a tile of tile_rank modes (a 2-D tile, or 1-D for per-row
+    statistics), plus any trailing stage / block modes, for tma.atom, without multicast."""
     return cpasync.tma_partition(
-        tma.atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+        tma.atom, 0, cute.make_layout(1), cute.group_modes(s, 0, tile_rank), cute.group_modes(g, 0, tile_rank)
     )
 
 
@@ -55,3 +55,20 @@ def prefetch_descriptors(tensors: tuple):
     for t in tensors:
         if isinstance(t, TmaTensor):
             cpasync.prefetch_descriptor(t.atom)
+
+
+def release_after_loads(state, *pipes):
+    """Release a stage of each ring in `pipes` that this warp also read with ordinary
+    shared-memory loads (not only through WGMMA): e.g. the backward's per-query LSE2 and D.
+
+    A ring's stage is released by one arrive per warp, from lane 0 (PipelineTmaAsync's
+    consumer_release). Lane 0's arrive orders lane 0's own reads before the producer's
+    refill, not those of lanes 1-31: without a warp barrier nothing orders another lane's
+    last load of the stage before the arrive, so the TMA refill may overwrite a value that
+    lane is still to read (a write-after-read race, in the memory model and in
+    compute-sanitizer's racecheck, even though the warp runs converged in practice).
+    __syncwarp first orders every lane's loads before the arrive, which the producer's
+    wait on the empty barrier then orders before its next TMA write into the stage."""
+    cute.arch.sync_warp()
+    for p in pipes:
+        p.consumer_release(state)

@@ -82,7 +82,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cute_attn.blocks import dq_accum, epilogue, mma_sm90, semaphore
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
-from cute_attn.blocks.bulk_copy import bulk_load, bulk_reduce_add_f32
+from cute_attn.blocks.bulk_copy import bulk_reduce_add_f32
 from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import ColumnStat, ScoreScale, fold_score_scale, probs_from_lse, softcap_scores
@@ -92,6 +92,7 @@ from cute_attn.blocks.tma_pipeline import (
     make_tma_pipeline,
     make_tma_tensor,
     prefetch_descriptors,
+    release_after_loads,
     tma_partition,
 )
 from cute_attn.blocks.views import bshd_as_sdhb, rowwise_as_rhb
@@ -109,8 +110,8 @@ class BwdGlobals(NamedTuple):
     dv: TmaTensor
     dk_rows: cute.Tensor  # dK, dV as plain tensors: varlen tiles leave row by row
     dv_rows: cute.Tensor
-    lse2: cute.Tensor  # (padded rows, heads, batch) float32: LSE * log2(e)
-    dsum: cute.Tensor  # D = rowsum(dO * O), same shape
+    lse2: TmaTensor  # (padded rows, heads, batch) float32: LSE * log2(e), 1-D TMA tiles
+    dsum: TmaTensor  # D = rowsum(dO * O), same shape
     dq_accum: cute.Tensor  # (padded rows * head_dim, heads, batch) float32, blocks/dq_accum.py
     dq_semaphore: cute.Tensor  # (padded m_blocks * d slices, heads, batch); deterministic only
     cu_seqlens_q: cute.Tensor  # (batch + 1,) int32; varlen only
@@ -233,6 +234,7 @@ class FlashBwdSm90:
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         q_tile = cute.select(layouts.sQ, mode=[0, 1])
         dkv_tile = (self.tile_n, self.d_slice)
+        stats_tile = cute.make_layout(self.tile_m)
         g = BwdGlobals(
             q=make_tma_tensor(load_op, mQ, q_tile, (self.tile_m, d)),
             k=make_tma_tensor(load_op, mK, layouts.sK, (self.tile_n, d)),
@@ -240,7 +242,13 @@ class FlashBwdSm90:
             do=make_tma_tensor(load_op, mdO, q_tile, (self.tile_m, d)),
             dk=make_tma_tensor(store_op, mdK, layouts.sdKV, dkv_tile),
             dv=make_tma_tensor(store_op, mdV, layouts.sdKV, dkv_tile),
-            dk_rows=mdK, dv_rows=mdV, lse2=mLSE2, dsum=mD, dq_accum=mdQaccum, dq_semaphore=mdQsemaphore,
+            # per-query statistics: tile_m floats per query block, by descriptor-based TMA
+            # like the tiles (a raw cp.async.bulk would do as well, but compute-sanitizer's
+            # racecheck cannot see the mbarrier ordering of a raw bulk copy's smem write
+            # after the consumers' loads and reports every stage refill as a WAR hazard)
+            lse2=make_tma_tensor(load_op, mLSE2, stats_tile, (self.tile_m,)),
+            dsum=make_tma_tensor(load_op, mD, stats_tile, (self.tile_m,)),
+            dk_rows=mdK, dv_rows=mdV, dq_accum=mdQaccum, dq_semaphore=mdQsemaphore,
             cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, q_tile) + self.tile_m * 4
@@ -341,10 +349,8 @@ class FlashBwdSm90:
         gV = cute.local_tile(seqlen.rows_k(g.v.tensor, head_kv), (self.tile_n, d), (n_block, 0))
         tKsK, tKgK = tma_partition(g.k, smem.k, gK)
         tVsV, tVgV = tma_partition(g.v, smem.v, gV)
-        stats_bytes = self.tile_m * 4
         # the padded per-row statistics: this sequence's query blocks start here
         stats_block0 = seqlen.padded_m_block_offset
-        lane = cute.arch.lane_idx()
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipes.kv.producer_acquire(kv_state)
@@ -360,20 +366,19 @@ class FlashBwdSm90:
             gdO = cute.local_tile(seqlen.rows_q(g.do.tensor, head), (self.tile_m, d), (None, 0))
             tQsQ, tQgQ = tma_partition(g.q, smem.q, gQ)
             tdOsdO, tdOgdO = tma_partition(g.do, smem.do, gdO)
-            gLSE2 = cute.local_tile(g.lse2[None, head, seqlen.batch], (self.tile_m,), (None,))
-            gD = cute.local_tile(g.dsum[None, head, seqlen.batch], (self.tile_m,), (None,))
+            gLSE2 = cute.local_tile(g.lse2.tensor[None, head, seqlen.batch], (self.tile_m,), (None,))
+            gD = cute.local_tile(g.dsum.tensor[None, head, seqlen.batch], (self.tile_m,), (None,))
+            tLsL, tLgL = tma_partition(g.lse2, smem.lse2, gLSE2, tile_rank=1)
+            tDsD, tDgD = tma_partition(g.dsum, smem.dsum, gD, tile_rank=1)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 pipes.q.producer_acquire(state)
                 bar = pipes.q.producer_get_barrier(state)
                 cute.copy(g.q.atom, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-                # one lane: every lane's copy would complete the barrier's bytes again
-                if lane == 0:
-                    bulk_load(gLSE2[None, stats_block0 + m_block].iterator, smem.lse2[None, state.index].iterator, bar, stats_bytes)
+                cute.copy(g.lse2.atom, tLgL[None, stats_block0 + m_block], tLsL[None, state.index], tma_bar_ptr=bar)
                 pipes.do.producer_acquire(state)
                 bar = pipes.do.producer_get_barrier(state)
                 cute.copy(g.do.atom, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-                if lane == 0:
-                    bulk_load(gD[None, stats_block0 + m_block].iterator, smem.dsum[None, state.index].iterator, bar, stats_bytes)
+                cute.copy(g.dsum.atom, tDgD[None, stats_block0 + m_block], tDsD[None, state.index], tma_bar_ptr=bar)
                 state.advance()
 
     # ------------------------------------------------------------------------------------
@@ -585,7 +590,7 @@ class FlashBwdSm90:
             cute.arch.fence_view_async_shared()
         else:
             warpgroup.wait_group(0)
-        # every WGMMA reading this stage's Q and dO has completed
-        pipes.q.consumer_release(state)
-        pipes.do.consumer_release(state)
+        # every WGMMA reading this stage's Q and dO has completed, and this thread's loads
+        # of its LSE2 and D are done (release_after_loads says why it syncs the warp)
+        release_after_loads(state, pipes.q, pipes.do)
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)

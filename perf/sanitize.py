@@ -1,0 +1,287 @@
+"""compute-sanitizer over one small case of every kernel: memcheck, racecheck, synccheck and
+initcheck, failing on any device-side report.
+
+    python3 perf/sanitize.py                      # every tool x every case, ~4-6 min on an H100
+    python3 perf/sanitize.py --tools racecheck --cases bwd-causal-gqa --keep-logs $OUT
+
+Each (tool, case group) runs in its own child process (`compute-sanitizer --tool T ...
+python3 perf/sanitize.py --child CASES`), up to --jobs at once, so the compiles of the
+groups overlap on the host's cores. The child builds random inputs for each case, calls
+cute_attn (forward, then the backward through autograd for the cases that have one),
+synchronises, and prints a line per finished case; it runs no reference and no other
+torch work beyond making the inputs, so the kernels under test are nearly all that the
+tool sees.
+
+Host-API noise, filtered explicitly: cuda-bindings probes the driver with
+`cuGetProcAddress` for entry points the driver may not have, and each failed probe is a
+"Program hit CUDA_ERROR_NOT_FOUND" host API report. Those are host-side and expected, so
+the tools run with `--report-api-errors no`; nothing else is filtered. A run fails when a
+tool's summary counts any error, any hazard (racecheck's errors and warnings alike, with
+`--racecheck-report hazard`), when the summary line is missing (the tool or the child
+died), or when the child exits non-zero.
+
+The case list covers each compiled kernel family and the code paths a shape can take:
+the forward (dense, causal + GQA, sliding window, softcap, varlen with an empty sequence,
+packed GQA for a short query, head dims 64 / 96 / 256, fp16) and the backward (its
+preprocess, main kernel and postprocess) for the same cases, plus the deterministic
+backward (semaphore turn counters). Shapes are deliberately not tile multiples.
+New kernel families add their cases here.
+"""
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+TOOL_FLAGS = {
+    "memcheck": ["--leak-check", "no"],
+    # "hazard" lists every hazard with its addresses; the default "analysis" summarises
+    "racecheck": ["--racecheck-report", "hazard"],
+    "synccheck": [],
+    "initcheck": [],
+}
+# See the module docstring: cuda-bindings' cuGetProcAddress probing is host API noise.
+COMMON_FLAGS = ["--report-api-errors", "no", "--print-limit", "20"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One small attention problem. lengths: varlen (seqlen_q, seqlen_k) per sequence."""
+
+    name: str
+    head_dim: int = 128
+    batch: int = 2
+    seqlen_q: int = 300
+    seqlen_k: int = 333
+    nheads: int = 4
+    nheads_kv: int = 4
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    dtype: str = "bf16"
+    lengths: tuple | None = None
+    backward: bool = True
+    deterministic: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+CASES = (
+    Case("dense"),
+    Case("causal-gqa", nheads=4, nheads_kv=2, causal=True),
+    Case("window", window_size=(64, 32)),
+    Case("softcap-causal", causal=True, softcap=30.0),
+    Case("varlen-causal", nheads=4, nheads_kv=2, causal=True,
+         lengths=((0, 40), (150, 200), (277, 129))),
+    Case("packed-gqa-decode", batch=2, seqlen_q=3, seqlen_k=300, nheads=8, nheads_kv=1,
+         causal=True, backward=False),
+    Case("hd64", head_dim=64),
+    Case("hd96-causal", head_dim=96, causal=True),
+    Case("hd256-causal", head_dim=256, causal=True),
+    Case("fp16-window-gqa", dtype="fp16", nheads=4, nheads_kv=1, window_size=(100, 0)),
+    Case("deterministic-causal-gqa", nheads=4, nheads_kv=2, causal=True, deterministic=True),
+)
+CASE_BY_NAME = {c.name: c for c in CASES}
+
+# Child processes per tool: the cases are dealt round-robin into this many groups.
+GROUPS_PER_TOOL = 3
+
+_SUMMARY = {
+    # "========= ERROR SUMMARY: 0 errors"
+    "error": re.compile(r"=+\s+ERROR SUMMARY:\s+(\d+)\s+error"),
+    # "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+    "racecheck": re.compile(
+        r"=+\s+RACECHECK SUMMARY:\s+(\d+)\s+hazards? displayed\s+\((\d+)\s+errors?,\s+(\d+)\s+warnings?\)"
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------
+# Pure helpers (tested on the CPU by tests/test_sanitize_cpu.py)
+# ----------------------------------------------------------------------------------------
+
+def groups(cases, n):
+    """Deal cases round-robin into at most n non-empty groups (their order kept)."""
+    n = max(1, min(n, len(cases)))
+    return [list(cases[i::n]) for i in range(n)]
+
+
+def sanitizer_command(tool, case_names, python=sys.executable):
+    if tool not in TOOLS:
+        raise ValueError(f"tool must be one of {TOOLS}, got {tool!r}")
+    return ["compute-sanitizer", "--tool", tool, *COMMON_FLAGS, *TOOL_FLAGS[tool],
+            python, str(Path(__file__).resolve()), "--child", ",".join(case_names)]
+
+
+def parse_report(tool, text):
+    """(device_reports, problem) from one sanitizer run's output: device_reports counts the
+    errors (and for racecheck the hazards, warnings included); problem is None, or why the
+    run cannot be trusted (no summary line)."""
+    if tool == "racecheck":
+        m = _SUMMARY["racecheck"].search(text)
+        if m:
+            return int(m.group(2)) + int(m.group(3)), None
+        # racecheck prints an ERROR SUMMARY instead when it found nothing to report
+        m = _SUMMARY["error"].search(text)
+        if m:
+            return int(m.group(1)), None
+        return 0, "no RACECHECK/ERROR SUMMARY line: the tool or the child did not finish"
+    m = _SUMMARY["error"].search(text)
+    if m is None:
+        return 0, "no ERROR SUMMARY line: the tool or the child did not finish"
+    return int(m.group(1)), None
+
+
+def finished_cases(text):
+    """The case names the child reported as finished ('case NAME done')."""
+    return re.findall(r"^case (\S+) done$", text, re.M)
+
+
+# ----------------------------------------------------------------------------------------
+# The child: run the cases' kernels, nothing else
+# ----------------------------------------------------------------------------------------
+
+def run_case(case):
+    import torch
+
+    import cute_attn
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    d, h, hk = case.head_dim, case.nheads, case.nheads_kv
+    kwargs = dict(causal=case.causal, window_size=case.window_size, softcap=case.softcap,
+                  deterministic=case.deterministic)
+    if case.lengths is None:
+        q = randn(case.batch, case.seqlen_q, h, d)
+        k, v = randn(case.batch, case.seqlen_k, hk, d), randn(case.batch, case.seqlen_k, hk, d)
+    else:
+        total_q = sum(lq for lq, _ in case.lengths)
+        total_k = sum(lk for _, lk in case.lengths)
+        q, k, v = randn(total_q, h, d), randn(total_k, hk, d), randn(total_k, hk, d)
+    tensors = (q, k, v)
+    if case.backward:
+        tensors = tuple(t.requires_grad_() for t in tensors)
+    if case.lengths is None:
+        out = cute_attn.mha(*tensors, **kwargs)
+    else:
+        offsets = [[0], [0]]
+        for lq, lk in case.lengths:
+            offsets[0].append(offsets[0][-1] + lq)
+            offsets[1].append(offsets[1][-1] + lk)
+        cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device="cuda") for o in offsets)
+        max_q = max(lq for lq, _ in case.lengths)
+        max_k = max(lk for _, lk in case.lengths)
+        out = cute_attn.mha_varlen(*tensors, cu_q, cu_k, max_q, max_k, **kwargs)
+    if case.backward:
+        torch.autograd.grad(out, tensors, torch.randn_like(out))
+    torch.cuda.synchronize()
+
+
+def child(names):
+    sys.path.insert(0, str(REPO_ROOT))
+    for name in names:
+        run_case(CASE_BY_NAME[name])
+        print(f"case {name} done", flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# The parent
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class RunResult:
+    tool: str
+    cases: list
+    returncode: int
+    reports: int
+    problem: str | None
+    seconds: float
+    log: str
+
+    @property
+    def ok(self):
+        done = finished_cases(self.log)
+        return (self.returncode == 0 and self.reports == 0 and self.problem is None
+                and done == self.cases)
+
+
+def run_one(tool, cases, timeout):
+    cmd = sanitizer_command(tool, cases)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        log, rc = out + f"\n[timed out after {timeout} s]", -1
+    reports, problem = parse_report(tool, log)
+    return RunResult(tool, cases, rc, reports, problem, time.perf_counter() - t0,
+                     " ".join(map(shlex.quote, cmd)) + "\n" + log)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tools", default=",".join(TOOLS), help="comma list of " + ", ".join(TOOLS))
+    p.add_argument("--cases", default=",".join(CASE_BY_NAME),
+                   help="comma list of: " + ", ".join(CASE_BY_NAME))
+    p.add_argument("--jobs", type=int, default=12, help="child processes at once")
+    p.add_argument("--timeout", type=int, default=480, help="seconds per child")
+    p.add_argument("--keep-logs", type=Path, default=None,
+                   help="write each child's full sanitizer output under this folder")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child is not None:
+        child(args.child.split(","))
+        return 0
+
+    tools = [t for t in args.tools.split(",") if t]
+    names = [n for n in args.cases.split(",") if n]
+    for t in tools:
+        if t not in TOOLS:
+            p.error(f"unknown tool {t!r}; choose from {TOOLS}")
+    for n in names:
+        if n not in CASE_BY_NAME:
+            p.error(f"unknown case {n!r}; choose from {tuple(CASE_BY_NAME)}")
+    jobs = [(t, g) for t in tools for g in groups(names, GROUPS_PER_TOOL)]
+    print(f"{len(jobs)} sanitizer runs ({', '.join(tools)}) over {len(names)} cases, "
+          f"{args.jobs} at a time", flush=True)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda job: run_one(*job, args.timeout), jobs))
+
+    failed = 0
+    for r in results:
+        status = "ok" if r.ok else "FAIL"
+        failed += not r.ok
+        detail = f"{r.reports} device report(s)"
+        if r.problem:
+            detail += f"; {r.problem}"
+        if r.returncode != 0:
+            detail += f"; exit {r.returncode}"
+        print(f"{status:4} {r.tool:9} {','.join(r.cases)}: {detail} ({r.seconds:.0f} s)")
+        if not r.ok:
+            print("\n".join(r.log.splitlines()[-40:]))
+    if args.keep_logs is not None:  # one file per tool (a device call returns 8 files)
+        args.keep_logs.mkdir(parents=True, exist_ok=True)
+        for tool in tools:
+            logs = [r.log for r in results if r.tool == tool]
+            (args.keep_logs / f"sanitize-{tool}.log").write_text("\n\n".join(logs))
+    print(f"{len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
