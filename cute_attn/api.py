@@ -1,11 +1,14 @@
 """Public entry points: check inputs on the host, then hand off to the launcher; under
 autograd, a torch.autograd.Function runs the backward kernels."""
 
+import math
+
 import torch
 
-from cute_attn.config import CAUSAL, DENSE, UNBOUNDED, AttnFeatures, RunArgs
+from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, UNBOUNDED, AttnFeatures, RunArgs
 from cute_attn.validation import (
     prepare_dout,
+    validate_flags,
     validate_fwd_inputs,
     validate_softcap,
     validate_varlen_fwd_inputs,
@@ -29,34 +32,45 @@ def mha(q, k, v, *, causal=False, softmax_scale=None, window_size=_NO_WINDOW, so
             contiguous and the others are multiples of 8 elements, so a .transpose(1, 2)
             view of a (b, h, s, d) tensor works. headdim must be one of
             config.CAPABILITIES["fwd"].head_dims (the backward: ["bwd"]).
-        causal: mask aligned to the bottom-right corner: query i sees key j iff
+        causal: (bool) mask aligned to the bottom-right corner: query i sees key j iff
             j <= i + seqlen_k - seqlen_q. A query that sees no key (seqlen_q >
             seqlen_k) gets out = 0 and lse = -inf, and zero gradients.
         softmax_scale: multiplies q k^T before the softmax; default 1/sqrt(headdim).
+            Accepted in validation.FOLD_MIN..FOLD_MAX (about 1.2e-38 to 2.4e38): the
+            kernel folds log2(e) into it in float32, which must stay normal and finite.
         window_size: (left, right) sliding window, FlashAttention's: query i sees key j
             iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right;
-            -1 leaves a side unbounded. causal=True sets right = 0. KV blocks outside
-            every row's window are never loaded.
+            -1 leaves a side unbounded, and so does any side >= config.UNBOUNDED (2**30;
+            no sequence that fits on a GPU is that long): (2**40, 0) is causal.
+            causal=True sets right = 0. KV blocks outside every row's window are never
+            loaded.
         softcap: > 0 caps the scores, softcap * tanh(softmax_scale * q k^T / softcap)
-            (Gemma 2); 0 is off.
-        return_lse: also return the log-sum-exp of each row (not differentiable).
-        deterministic: make the backward's dQ accumulation order fixed, so gradients
-            are bit-identical run to run.
+            (Gemma 2); 0 is off. Same float32 range as softmax_scale, and
+            softmax_scale / softcap must be a normal, finite float32 too.
+        return_lse: (bool) also return the log-sum-exp of each row (not differentiable).
+        deterministic: (bool) make the backward's dQ accumulation order fixed, so
+            gradients are bit-identical run to run.
 
     Returns:
         out, shaped and typed like q (same stride order), or (out, lse) with lse
         float32 of shape (batch, nheads, seqlen_q), natural log.
+
+    Empty calls launch nothing and compile nothing: batch, seqlen_q or nheads 0 returns
+    empty out and lse of those shapes; seqlen_k 0 (every query sees no key) returns
+    out = 0 and lse = -inf. Under autograd their gradients are zeros of the inputs'
+    shapes.
 
     Under autograd (any input requires grad and grad mode is on) the forward saves
     q, k, v, out and lse, nothing of size seqlen^2, for the backward kernels.
 
     Raises TypeError/ValueError naming the bad argument before any kernel runs.
     """
+    causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
-    validate_fwd_inputs(q, k, v, softmax_scale)
+    no_kernel = validate_fwd_inputs(q, k, v, softmax_scale, softcap)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[3] ** -0.5
     features, run_args = _features_and_args(causal, window, softcap, scale)
-    return _run(q, k, v, features, run_args, deterministic, return_lse)
+    return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
 def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -72,7 +86,8 @@ def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         cu_seqlens_q, cu_seqlens_k: torch.int32, (batch + 1,), on q's device, starting
             at 0, non-decreasing, ending at total_q / total_k.
         max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence (they
-            size the grid).
+            size the grid). Values above q's / k's total tokens are taken as the total
+            (the grid never needs more), so any int fits the kernels' Int32.
         check_cu_seqlens: None (default) checks the values above before the launch by
             reading both offset tensors to the host (one small copy, which waits for the
             GPU's queued work), once per tensor and version: a model that passes the same
@@ -84,19 +99,35 @@ def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
     Returns:
         out (total_q, nheads, headdim) like q, or (out, lse) with lse float32
-        (nheads, total_q) (FlashAttention's varlen layout).
+        (nheads, total_q) (FlashAttention's varlen layout). total_q or nheads 0: empty
+        outputs; total_k 0: out = 0, lse = -inf; no kernel either way (as in `mha`).
 
     The kernels take cu_seqlens and max_seqlen at run time: a new batch of lengths
     never recompiles.
     """
+    causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
     validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale, check_cu_seqlens)
+                               softmax_scale, check_cu_seqlens, softcap=softcap)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    # the grid never needs more than the total tokens (and they fit an Int32 on any GPU)
+    total_q, total_k = q.shape[0], k.shape[0]
+    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
     features, run_args = _features_and_args(
         causal, window, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     )
-    return _run(q, k, v, features, run_args, deterministic, return_lse)
+    no_kernel = total_q == 0 or total_k == 0 or q.shape[1] == 0
+    return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
+
+
+def _checked_flags(causal, return_lse, deterministic):
+    """The three flags as bools. Identity tests against True/False first: the cheapest
+    check of the common call; numpy bools and everything else go to validate_flags (a
+    TypeError unless a bool)."""
+    if (causal is True or causal is False) and (return_lse is True or return_lse is False) \
+            and (deterministic is True or deterministic is False):
+        return causal, return_lse, deterministic
+    return validate_flags(causal, return_lse, deterministic)
 
 
 def _window_and_softcap(window_size, softcap):
@@ -113,11 +144,17 @@ def _features_and_args(causal, window, softcap, scale, varlen=None):
     """(AttnFeatures, RunArgs) of a call: the one place where the arguments
     become the features every later layer reads. Plain attention (causal or not) takes
     the shared DENSE / CAUSAL objects, the shortest host path. A window equal to causal
-    becomes causal; -1 sides become config.UNBOUNDED."""
+    becomes causal; a side >= config.UNBOUNDED is unbounded like -1 (the same mask
+    kind: (2**40, 0) is causal, (2**40, 2**40) no mask); unbounded sides become
+    config.UNBOUNDED, so every window side fits the kernels' Int32."""
 
     left, right = window
     if causal:
         right = 0
+    if left >= UNBOUNDED:
+        left = -1
+    if right >= UNBOUNDED:
+        right = -1
     if left < 0 and right < 0:
         mask = "none"
     elif left < 0 and right == 0:
@@ -134,30 +171,52 @@ def _features_and_args(causal, window, softcap, scale, varlen=None):
     return features, RunArgs(scale, softcap, window, cu_q, cu_k, int(max_q), int(max_k))
 
 
-def _run(q, k, v, features, run_args, deterministic, return_lse):
+def _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel=False):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        settings = _AttentionSettings(features, run_args, bool(deterministic))
+        settings = _AttentionSettings(features, run_args, deterministic, no_kernel)
         out, lse = _AttentionFunction.apply(q, k, v, settings)
+    elif no_kernel:
+        out, lse = _outputs_without_kernel(q, features)
     else:
         out, lse = _launcher().run_fwd(q, k, v, features, run_args)
     return (out, lse) if return_lse else out
 
 
+def _outputs_without_kernel(q, features):
+    """(out, lse) of a call that needs no kernel, shaped and typed as the launcher's:
+    q has no elements (both empty), or k has no keys, so every row sees no key and
+    gets the rule for such rows, out = 0 and lse = -inf. Nothing is compiled or
+    launched; the tensors are made like q (its device, its stride order for out)."""
+    policy = DTYPE_OF_INPUT.get(q.dtype)
+    out = torch.zeros_like(q, dtype=policy.output if policy is not None else q.dtype)
+    if features.varlen:
+        total_q, heads, _ = q.shape
+        shape = (heads, total_q)
+    else:
+        batch, seqlen_q, heads, _ = q.shape
+        shape = (batch, heads, seqlen_q)
+    return out, q.new_full(shape, -math.inf, dtype=torch.float32)
+
+
 class _AttentionSettings:
     """The non-tensor arguments of one attention call, carried to the backward."""
 
-    __slots__ = ("features", "run_args", "deterministic")
+    __slots__ = ("features", "run_args", "deterministic", "no_kernel")
 
-    def __init__(self, features: AttnFeatures, run_args, deterministic: bool):
+    def __init__(self, features: AttnFeatures, run_args, deterministic: bool, no_kernel=False):
         self.features = features
         self.run_args = run_args
         self.deterministic = deterministic
+        self.no_kernel = no_kernel  # empty q or no keys: _outputs_without_kernel
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, settings):
-        out, lse = _launcher().run_fwd(q, k, v, settings.features, settings.run_args)
+        if settings.no_kernel:
+            out, lse = _outputs_without_kernel(q, settings.features)
+        else:
+            out, lse = _launcher().run_fwd(q, k, v, settings.features, settings.run_args)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = settings
         ctx.mark_non_differentiable(lse)
@@ -167,6 +226,9 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         s = ctx.settings
+        if s.no_kernel:
+            # out is 0 (or empty) whatever q, k, v are: zero gradients of their shapes
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
         dq, dk, dv = _launcher().run_bwd(
             prepare_dout(dout, out), q, k, v, out, lse, s.features, s.run_args,
             deterministic=s.deterministic,

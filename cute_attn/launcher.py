@@ -7,10 +7,10 @@ function takes torch tensors directly and launches on torch's current CUDA strea
 keeps the per-call host work to argument checking plus one launch (perf/NOTES.md has the
 measured cost).
 
-Compiling needs no GPU: set CUTE_DSL_ARCH=sm_90a (see `compile_fwd` and cute_attn.ptx).
+Compiling needs no GPU: every compile names its target, sm_90a, to the DSL (`_compile`),
+whatever CUTE_DSL_ARCH says and whenever cutlass was imported (see cute_attn.ptx).
 """
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -123,10 +123,14 @@ def _fake_fwd_args(key: FwdKey):
     )
 
 
-def _compile(kernel, fake_args, extra_options: str):
+def _compile(kernel, fake_args, extra_options: str, arch: str = ARCH):
+    """cute.compile for the key's arch, named explicitly (--gpu-arch): the DSL reads
+    CUTE_DSL_ARCH once, when cutlass is first imported, and without it detects the GPU
+    (sm_100a on a machine without one), so setting the variable later does nothing. The
+    option wins over both; on an sm_90 GPU it names what detection finds there anyway."""
     import cutlass.cute as cute
 
-    options = ("--enable-tvm-ffi " + extra_options).strip()
+    options = f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip()
     return cute.compile(kernel, *fake_args, options=options)
 
 
@@ -137,9 +141,8 @@ def compile_fwd(key: FwdKey, extra_options: str = ""):
     from cute_attn.kernels.fwd_sm90 import FlashFwdSm90
 
     _check_capability("fwd", key)
-    os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
     kernel = FlashFwdSm90(DTYPES[key.dtype], key.head_dim, key.features, key.config)
-    return _compile(kernel, _fake_fwd_args(key), extra_options)
+    return _compile(kernel, _fake_fwd_args(key), extra_options, key.arch)
 
 
 def _check_capability(family: str, key):
@@ -301,12 +304,12 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
     from cute_attn.kernels.bwd_sm90 import FlashBwdSm90
 
     _check_capability("bwd", key)
-    os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
     dtypes, cfg, features = DTYPES[key.dtype], key.config, key.features
     pre_args, main_args, post_args = _fake_bwd_args(key)
-    pre = _compile(BwdPreprocess(dtypes, key.head_dim, cfg, features), pre_args, extra_options)
-    main = _compile(FlashBwdSm90(dtypes, key.head_dim, features, cfg, key.deterministic), main_args, extra_options)
-    post = _compile(BwdPostprocess(dtypes, key.head_dim, cfg, features), post_args, extra_options)
+    pre = _compile(BwdPreprocess(dtypes, key.head_dim, cfg, features), pre_args, extra_options, key.arch)
+    main = _compile(FlashBwdSm90(dtypes, key.head_dim, features, cfg, key.deterministic), main_args,
+                    extra_options, key.arch)
+    post = _compile(BwdPostprocess(dtypes, key.head_dim, cfg, features), post_args, extra_options, key.arch)
     return pre, main, post
 
 

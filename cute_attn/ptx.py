@@ -39,7 +39,6 @@ def compile_fwd_artifacts(
     dtype: str, head_dim: int, features: AttnFeatures, config: Optional[FwdConfig] = None
 ) -> CompiledArtifacts:
     """The forward of (features), with the default tile config unless one is given."""
-    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     key = FwdKey(dtype, head_dim, features, config or fwd_config_for(head_dim, features))
     fn = compile_fwd(key, "--keep-ptx --keep-cubin")
     return CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))
@@ -50,7 +49,6 @@ def compile_bwd_artifacts(
     deterministic: bool = False,
 ) -> dict:
     """{"preprocess" | "main" | "postprocess": CompiledArtifacts} of one backward."""
-    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     key = BwdKey(dtype, head_dim, features, config or bwd_config_for(head_dim, features), deterministic)
     fns = compile_bwd(key, "--keep-ptx --keep-cubin")
     return {

@@ -12,6 +12,7 @@ and varlen entry points share one copy of each check.
 import itertools
 import math
 import numbers
+import struct
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -24,6 +25,58 @@ _VARLEN_SHAPE = "(total_tokens, nheads, headdim) for varlen"
 # Not .contiguous(): it returns its input unchanged when only a size-1 dim has an odd
 # stride or the storage offset is misaligned; a clone always gets fresh packed strides.
 _COPY_HINT = "make a packed copy with .clone(memory_format=torch.contiguous_format)"
+_DIM_LABELS = {4: ("batch", "seqlen", "nheads", "headdim"), 3: ("total_tokens", "nheads", "headdim")}
+
+try:  # numpy's bool is as good a flag as Python's; numpy itself is optional
+    import numpy
+
+    _BOOL_TYPES = (bool, numpy.bool_)
+except ImportError:  # pragma: no cover
+    _BOOL_TYPES = (bool,)
+
+
+# ----------------------------------------------------------------------------------------
+# What float32 carries through the kernels' scale folding (blocks/softmax.py,
+# fold_score_scale): the kernels take softmax_scale and softcap as float32 and compute
+# softmax_scale * log2(e) (no softcap), or softcap * log2(e) and softmax_scale / softcap.
+# Each must be a normal, finite float32: an inf turns every score into inf - inf = NaN,
+# and a subnormal is flushed to zero (uniform attention, or tanh(0) = 0 for every score).
+# ----------------------------------------------------------------------------------------
+
+F32_MAX = 3.4028234663852886e38  # the largest finite float32
+F32_MIN_NORMAL = 1.1754943508222875e-38  # the smallest normal float32
+
+
+def _f32(x):
+    """x rounded to float32 (what the kernel receives); +-inf past float32's range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _next_f32(x):
+    """The float32 after the positive float32 x."""
+    return struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", x))[0] + 1))[0]
+
+
+def _largest_foldable():
+    """The largest float32 x with x * log2(e) (a float32 product, as in the kernel) finite."""
+    log2e = _f32(math.log2(math.e))
+    x = _f32(F32_MAX / log2e)
+    while math.isinf(_f32(x * log2e)):
+        x = _f32(x * (1 - 2.0 ** -24))
+    while not math.isinf(_f32(_next_f32(x) * log2e)):
+        x = _next_f32(x)
+    return x
+
+
+# softmax_scale and softcap are accepted in [FOLD_MIN, FOLD_MAX]: both ends are float32
+# values, so every number in between rounds to a float32 in between, which stays normal
+# and finite times log2(e) (about 1.443). The fast path compares against the same bounds.
+FOLD_MIN = F32_MIN_NORMAL
+FOLD_MAX = _largest_foldable()
+_FOLD_RANGE = f"[{FOLD_MIN:.7g}, {FOLD_MAX:.7g}]"
 
 
 _capabilities = {}  # torch.device -> (major, minor): the query costs microseconds per call
@@ -56,9 +109,11 @@ def _plainly_valid(q, k, v, softmax_scale):
     elems, align = policy.align_elems, policy.align_bytes
     for t in (q, k, v):
         s0, s1, s2, s3 = t.stride()
-        if s3 != 1 or s0 % elems or s1 % elems or s2 % elems or t.data_ptr() % align:
+        # a zero stride (an expanded dim) goes to the detailed checks, which reject it
+        # unless the dim has size 1
+        if s3 != 1 or s0 % elems or s1 % elems or s2 % elems or not (s0 and s1 and s2) or t.data_ptr() % align:
             return False
-    if softmax_scale is not None and not (type(softmax_scale) is float and 0.0 < softmax_scale < math.inf):
+    if softmax_scale is not None and not (type(softmax_scale) is float and FOLD_MIN <= softmax_scale <= FOLD_MAX):
         return False
     device = q.device
     if device.type != "cuda" or k.device != device or v.device != device:
@@ -66,10 +121,18 @@ def _plainly_valid(q, k, v, softmax_scale):
     return _device_capability(device) == (9, 0)
 
 
-def validate_fwd_inputs(q, k, v, softmax_scale):
-    """Raise TypeError/ValueError if (q, k, v, softmax_scale) cannot go to the kernel."""
-    if _plainly_valid(q, k, v, softmax_scale):
-        return
+def validate_fwd_inputs(q, k, v, softmax_scale, softcap=0.0):
+    """Raise TypeError/ValueError if (q, k, v, softmax_scale) cannot go to the kernel;
+    softcap (already checked by validate_softcap; 0 is off) for the float32 range of
+    softmax_scale / softcap.
+
+    Returns True when the call needs no kernel: q has no elements (batch, seqlen_q or
+    nheads 0) or k has no keys (seqlen_k 0); see api._outputs_without_kernel. Otherwise
+    None. Empty tensors get every other check (dtype, rank, head dim, strides, device)."""
+    if _plainly_valid(q, k, v, softmax_scale):  # never true of an empty call
+        if softcap:
+            _check_softcap_scale(softcap, softmax_scale, q.shape[3])
+        return None
     tensors = dict(zip(_NAMES, (q, k, v)))
     for name, t in tensors.items():
         _check_is_tensor(name, t)
@@ -77,18 +140,16 @@ def validate_fwd_inputs(q, k, v, softmax_scale):
         _check_rank(name, t, 4, _DENSE_SHAPE)
     policy = _check_dtypes(q, k, v)
     _check_shapes(q, k, v)
-    _check_operands(tensors, policy, softmax_scale)
+    _check_operands(tensors, policy, softmax_scale, softcap)
+    return True if q.numel() == 0 or k.shape[1] == 0 else None
 
 
 def _check_shapes(q, k, v):
-    b, sq, h, d = q.shape
     for name, t in (("k", k), ("v", v)):
         for axis, label in ((0, "batch"), (3, "headdim")):
             _check_equal(name, label, t.shape[axis], q.shape[axis], shapes=(q, t))
     _check_equal("v", "seqlen", v.shape[1], k.shape[1], ref="k")
-    for name, value in (("q batch", b), ("q nheads", h), ("q seqlen", sq), ("k seqlen", k.shape[1])):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    # batch, seqlen_q, seqlen_k and nheads may be 0: such a call needs no kernel
     validate_gqa_heads(q, k, v)
 
 
@@ -136,10 +197,10 @@ def _check_dtypes(q, k, v):
     return policy
 
 
-def _check_operands(tensors, policy, softmax_scale, **other_tensors):
+def _check_operands(tensors, policy, softmax_scale, softcap=0.0, **other_tensors):
     """What the kernel needs of q, k, v (tensors) once their shapes hold: a head dim it is
-    built for, TMA-addressable layouts, a usable scale; then the devices of the tensors
-    and of other_tensors."""
+    built for, TMA-addressable layouts, a usable scale (and softmax_scale / softcap);
+    then the devices of the tensors and of other_tensors."""
     head_dims = CAPABILITIES["fwd"].head_dims
     d = tensors["q"].shape[-1]
     if d not in head_dims:
@@ -149,6 +210,8 @@ def _check_operands(tensors, policy, softmax_scale, **other_tensors):
         if problem:
             raise ValueError(problem)
     _check_scale(softmax_scale)
+    if softcap:
+        _check_softcap_scale(softcap, softmax_scale, d)
     _check_devices({**tensors, **other_tensors})
 
 
@@ -157,6 +220,9 @@ def _layout_problem(name, t, policy):
     descriptors need the last dim contiguous, every other stride a multiple of align_bytes
     (align_elems elements of the dtype), and the base address aligned to align_bytes."""
     strides = t.stride()
+    for dim, (size, stride) in enumerate(zip(t.shape, strides)):
+        if stride == 0 and size > 1:
+            return _broadcast_problem(name, t, dim)
     if strides[-1] != 1:
         return (f"{name} must be contiguous in the last dimension, got strides {strides}; "
                 "call .contiguous()")
@@ -171,6 +237,49 @@ def _layout_problem(name, t, policy):
     return None
 
 
+def _broadcast_problem(name, t, dim):
+    """Why t, expanded (stride 0) along dim, cannot be a TMA operand, and what to do."""
+    labels = _DIM_LABELS.get(t.dim(), ())
+    label = labels[dim] if dim < len(labels) else f"dim {dim}"
+    problem = (
+        f"{name} strides must be nonzero on every dim of size > 1, got stride 0 on dim {dim} "
+        f"({label}, size {t.shape[dim]}), strides {t.stride()}: an expanded (broadcast) "
+        "tensor, which TMA cannot read (it loads each row from its own memory); "
+    )
+    if name in ("k", "v") and label == "nheads":
+        return problem + (
+            f"pass {name} unexpanded, with fewer heads: nheads_kv dividing nheads is "
+            "supported natively (GQA/MQA), with no copy"
+        )
+    return problem + _COPY_HINT
+
+
+def validate_flags(causal, return_lse, deterministic):
+    """The three switches of mha / mha_varlen as Python bools; each must be a bool (or
+    numpy.bool_): anything else, a 0/1 or a string such as "no", is a TypeError rather
+    than a truth value."""
+    flags = (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic))
+    for name, value in flags:
+        if not isinstance(value, _BOOL_TYPES):
+            raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return bool(causal), bool(return_lse), bool(deterministic)
+
+
+def _check_softcap_scale(softcap, softmax_scale, head_dim):
+    """With a softcap the kernel computes tanh(scores * softmax_scale / softcap): the
+    quotient, in float32, must be normal and finite (each factor is checked on its own)."""
+    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    pre = _f32(_f32(scale) / _f32(softcap))
+    if not F32_MIN_NORMAL <= pre <= F32_MAX:
+        default = " (the default, 1/sqrt(headdim))" if softmax_scale is None else ""
+        raise ValueError(
+            f"softcap must keep softmax_scale / softcap a normal, finite float32 (in "
+            f"[{F32_MIN_NORMAL:.7g}, {F32_MAX:.7g}]; the kernel computes tanh(scores * "
+            f"softmax_scale / softcap) in float32), got softcap={softcap!r} with "
+            f"softmax_scale={scale!r}{default}: softmax_scale / softcap = {scale / softcap:.7g}"
+        )
+
+
 def _check_scale(softmax_scale):
     if softmax_scale is None:
         return
@@ -182,10 +291,17 @@ def _check_scale(softmax_scale):
         )
     # positive: the kernel takes each row's max over raw scores and scales it after,
     # which is the max of the scaled scores only when the scale is positive
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    # (an int is finite however large; math.isfinite would overflow converting it)
+    if (not isinstance(softmax_scale, numbers.Integral) and not math.isfinite(softmax_scale)) or softmax_scale <= 0:
         raise ValueError(
             f"softmax_scale must be a finite positive number (or None for 1/sqrt(headdim)), "
             f"got {softmax_scale}"
+        )
+    if not FOLD_MIN <= softmax_scale <= FOLD_MAX:
+        raise ValueError(
+            f"softmax_scale must be in {_FOLD_RANGE}, where it and softmax_scale * log2(e) "
+            "(which the kernel computes) are normal, finite float32 numbers, got "
+            f"{softmax_scale}"
         )
 
 
@@ -238,12 +354,14 @@ def prepare_dout(dout, out):
 
 
 def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale, check_cu_seqlens=None):
+                               softmax_scale, check_cu_seqlens=None, *, softcap=0.0):
     """Everything mha_varlen needs before a launch: the packed shapes and cu_seqlens
     (validate_varlen_inputs), then dtype, head dim, TMA layout, scale, and the device
     checks of validate_fwd_inputs, applied to (total, nheads, headdim) tensors; last, once
     all of that holds, the values of cu_seqlens (check_cu_seqlens: None reads them unless
-    a CUDA graph is being captured, True always, False never). Returns the batch."""
+    a CUDA graph is being captured, True always, False never). softcap as in
+    validate_fwd_inputs. Returns the batch. Zero total tokens (or heads) pass: the
+    caller returns empty outputs without a kernel."""
     if check_cu_seqlens is not None and not isinstance(check_cu_seqlens, bool):
         raise TypeError(
             f"check_cu_seqlens must be None, True or False, got {type(check_cu_seqlens).__name__}"
@@ -254,7 +372,7 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         if value is None:
             raise TypeError(f"{name} must be a Python int (the longest sequence), got None")
     policy = _check_dtypes(q, k, v)
-    _check_operands(dict(zip(_NAMES, (q, k, v))), policy, softmax_scale,
+    _check_operands(dict(zip(_NAMES, (q, k, v))), policy, softmax_scale, softcap,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if check_cu_seqlens is False:
         return batch
@@ -345,8 +463,13 @@ def validate_softcap(softcap):
         raise TypeError(
             f"softcap must be a Python float/int (0 for off), got {type(softcap).__name__}"
         )
-    if not math.isfinite(softcap) or softcap < 0:
+    if (not isinstance(softcap, numbers.Integral) and not math.isfinite(softcap)) or softcap < 0:
         raise ValueError(f"softcap must be 0 (off) or a finite positive number, got {softcap}")
+    if softcap and not FOLD_MIN <= softcap <= FOLD_MAX:
+        raise ValueError(
+            f"softcap must be 0 (off) or in {_FOLD_RANGE}, where it and softcap * log2(e) "
+            f"(which the kernel computes) are normal, finite float32 numbers, got {softcap}"
+        )
     return float(softcap)
 
 
@@ -356,6 +479,8 @@ def validate_gqa_heads(q, k, v):
     Heads are dim -2 of q, k and v, so this serves the dense (batch, seqlen, nheads,
     headdim) layout and the packed varlen (total, nheads, headdim) one alike. k and v
     must have the same number of heads, which must divide q's (GQA; 1 head is MQA).
+    q with 0 heads (an empty call) returns 0 whatever k's heads; k with 0 heads for
+    q's nonzero heads is an error.
     """
     for name, t in zip(_NAMES, (q, k, v)):
         _check_is_tensor(name, t)
@@ -366,8 +491,8 @@ def validate_gqa_heads(q, k, v):
     nheads, nheads_k, nheads_v = q.shape[-2], k.shape[-2], v.shape[-2]
     if nheads_v != nheads_k:
         raise ValueError(f"v nheads must equal k nheads ({nheads_k}), got {nheads_v}")
-    if nheads < 1:
-        raise ValueError(f"q nheads must be >= 1, got {nheads}")
+    if nheads == 0:  # no query heads: an empty call (any k/v heads, 0 included)
+        return 0
     if nheads_k < 1 or nheads % nheads_k:
         raise ValueError(
             f"k nheads must divide q nheads ({nheads}): each group of "

@@ -12,6 +12,10 @@ synchronises, and prints a line per finished case; it runs no reference and no o
 torch work beyond making the inputs, so the kernels under test are nearly all that the
 tool sees.
 
+initcheck cannot see TMA stores initialise global memory (measured: `poison_next_outputs`),
+so each child fills the blocks its outputs will take with NaN through torch first, and
+checks afterwards that no NaN is left in out.
+
 Host-API noise, filtered explicitly: cuda-bindings probes the driver with
 `cuGetProcAddress` for entry points the driver may not have, and each failed probe is a
 "Program hit CUDA_ERROR_NOT_FOUND" host API report. Those are host-side and expected, so
@@ -171,6 +175,7 @@ def run_case(case):
         total_k = sum(lk for _, lk in case.lengths)
         q, k, v = randn(total_q, h, d), randn(total_k, hk, d), randn(total_k, hk, d)
     tensors = (q, k, v)
+    poison_next_outputs(q)
     if case.backward:
         tensors = tuple(t.requires_grad_() for t in tensors)
     if case.lengths is None:
@@ -184,9 +189,34 @@ def run_case(case):
         max_q = max(lq for lq, _ in case.lengths)
         max_k = max(lk for _, lk in case.lengths)
         out = cute_attn.mha_varlen(*tensors, cu_q, cu_k, max_q, max_k, **kwargs)
+    if out.isnan().any():
+        raise AssertionError(f"{case.name}: out has elements the forward never wrote")
     if case.backward:
         torch.autograd.grad(out, tensors, torch.randn_like(out))
     torch.cuda.synchronize()
+
+
+def poison_next_outputs(q):
+    """Fill the memory the next out and lse allocations will get with NaN (0xFF bytes),
+    through torch, before the forward runs.
+
+    Why: initcheck does not see TMA stores (cp.async.bulk.tensor, shared -> global) as
+    initialising global memory. Measured on an H100 (compute-sanitizer 2025.3.1): reading
+    back a TMA-stored out of 51,200 elements gave exactly 51,200 "uninitialized read"
+    reports, a row-stored (varlen) out and the st.global-written lse none; the backward's
+    preprocess reads out, so every dense case reported once per element. Pre-filling the
+    blocks through torch (instrumented writes) marks them initialised, and the NaN check
+    after the forward still catches any element the kernel did not write, which initcheck
+    could not have. The caching allocator hands the freed blocks back to the next
+    same-sized requests (tests/gpu_helpers.poison_allocator relies on the same), both
+    orders covering either allocation order."""
+    import torch
+
+    out_bytes = q.numel() * q.element_size()
+    lse_bytes = (q.numel() // q.shape[-1]) * 4
+    for sizes in ((out_bytes, lse_bytes), (lse_bytes, out_bytes)):
+        blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device=q.device) for n in sizes]
+        del blocks
 
 
 def child(names):

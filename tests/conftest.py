@@ -1,4 +1,5 @@
-"""Shared test setup: detect an sm_90 GPU and skip `gpu`-marked tests without one."""
+"""Shared test setup: detect an sm_90 GPU and skip `gpu`-marked tests without one; the
+options of the fuzz test (tests/test_fuzz_gpu.py, tests/fuzz.py)."""
 
 import os
 import tempfile
@@ -31,3 +32,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    import fuzz  # tests/ is on sys.path here (pytest's rootdir-relative conftest import)
+
+    group = parser.getgroup("fuzz", "seeded fuzz test (tests/test_fuzz_gpu.py)")
+    group.addoption("--fuzz-n", type=int, default=fuzz.DEFAULT_N, metavar="N",
+                    help=f"number of random cases (default {fuzz.DEFAULT_N}: about 2 minutes "
+                         "on one H100 process, compiles included)")
+    group.addoption("--fuzz-seed", type=int, default=fuzz.DEFAULT_SEED, metavar="S",
+                    help=f"seed of the draw (default {fuzz.DEFAULT_SEED}, fixed so that runs repeat)")
+    group.addoption("--fuzz-shard", type=fuzz.parse_shard, default=(0, 1), metavar="i/n",
+                    help="run shard i of n (0 <= i < n): each compile specialisation in one shard")
+    group.addoption("--fuzz-case", default=None, metavar="SPEC",
+                    help="run exactly this case (the line a failing case prints)")
+
+
+def pytest_collection_finish(session):
+    """When the fuzz test is collected, say how its cases were drawn (under -q too, unlike a
+    report header): the seed and how to change it."""
+    items = [item for item in session.items if item.path.name == "test_fuzz_gpu.py"]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if not items or reporter is None:
+        return
+    option = session.config.getoption
+    if option("--fuzz-case"):
+        line = f"fuzz: one case, --fuzz-case '{option('--fuzz-case')}'"
+    else:
+        i, n = option("--fuzz-shard")
+        line = (f"fuzz: seed {option('--fuzz-seed')} (change with --fuzz-seed S), "
+                f"{len(items)} of {option('--fuzz-n')} cases (--fuzz-n N) in shard {i}/{n}")
+    reporter.write_line(line)

@@ -1,4 +1,5 @@
-"""Helpers shared by the GPU test modules (test_mha_gpu.py, test_mha_bwd_gpu.py).
+"""Helpers shared by the GPU test modules (test_mha_gpu.py, test_mha_bwd_gpu.py, and through
+gpu_checks.py test_features_gpu.py and test_fuzz_gpu.py).
 
 Import the fixture into a test module to apply it there (it is autouse per module).
 """

@@ -3,15 +3,35 @@ and its PTX holds the Hopper machinery the design relies on."""
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from cute_attn.config import CAPABILITIES, AttnFeatures
-
+# cutlass first, and no CUTE_DSL_ARCH set here: the package names its target (sm_90a) to
+# every compile itself, whatever the environment and the import order
 pytest.importorskip("cutlass", reason="the CuTe DSL (nvidia-cutlass-dsl) is not installed")
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from cute_attn import ptx as ptx_tool  # noqa: E402
+from cute_attn.config import CAPABILITIES, AttnFeatures  # noqa: E402
+
+
+def test_compiles_for_sm90a_without_cute_dsl_arch_and_with_cutlass_imported_first():
+    """The DSL reads CUTE_DSL_ARCH once, when cutlass is imported, and detects sm_100a
+    without it on a machine with no GPU (WGMMA then refuses to build): the launcher must
+    name sm_90a to the compile itself, and must not need (or set) the variable."""
+    code = (
+        "import os, cutlass\n"
+        "from cute_attn.config import AttnFeatures, fwd_config_for\n"
+        "from cute_attn.launcher import FwdKey, compile_fwd\n"
+        "f = AttnFeatures()\n"
+        "fn = compile_fwd(FwdKey('bf16', 64, f, fwd_config_for(64, f)), '--keep-ptx')\n"
+        "assert '.target sm_90a' in fn.__ptx__\n"
+        "assert 'CUTE_DSL_ARCH' not in os.environ\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "CUTE_DSL_ARCH"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def _cached_compiler(compile_artifacts):

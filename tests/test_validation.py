@@ -133,12 +133,58 @@ def test_kv_seqlen_mismatch():
         validate_fwd_inputs(q, k, v[:, :23], None)
 
 
-@pytest.mark.parametrize("b, sq, sk, h, what", [
-    (0, 16, 24, 4, "q batch"), (2, 0, 24, 4, "q seqlen"), (2, 16, 0, 4, "k seqlen"), (2, 16, 24, 0, "q nheads"),
+EMPTY_SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
+    (0, 16, 24, 4, 4), (2, 0, 24, 4, 2), (2, 16, 0, 4, 1), (2, 16, 24, 0, 4), (2, 16, 24, 0, 0), (0, 0, 0, 0, 0),
+]
+
+
+def _empty_qkv(b, sq, sk, h, h_k, d=64, dtype=torch.bfloat16):
+    q = torch.zeros(b, sq, h, d, dtype=dtype)
+    k, v = (torch.zeros(b, sk, h_k, d, dtype=dtype) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("b, sq, sk, h, h_k", EMPTY_SHAPES)
+def test_empty_dims_pass_and_need_no_kernel(monkeypatch, b, sq, sk, h, h_k):
+    """Zero batch, sequence lengths or heads are accepted (issue 17: FlashAttention and
+    SDPA return empty outputs); the device check still applies, and on sm_90 the call is
+    reported as needing no kernel."""
+    q, k, v = _empty_qkv(b, sq, sk, h, h_k)
+    with pytest.raises(ValueError, match=r"q " + CPU_ERROR):
+        validate_fwd_inputs(q, k, v, None)
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    assert validate_fwd_inputs(*(_fake_cuda(t) for t in (q, k, v)), None) is True
+    assert validate_fwd_inputs(*(_fake_cuda(t) for t in _qkv()), None) is None  # non-empty
+
+
+@pytest.mark.parametrize("case, exc, msg", [
+    ("fp32", TypeError, r"q must be torch.float16 or torch.bfloat16, got torch.float32; cast"),
+    ("headdim", ValueError, r"q headdim must be one of \(.*\), got 80"),
+    ("rank", ValueError, r"k must have shape \(batch, seqlen, nheads, headdim\), got shape \(0, 4, 64\)"),
+    ("batch", ValueError, r"k batch must equal q batch \(0\), got 2"),
+    ("kv-heads-0", ValueError, r"k nheads must divide q nheads \(4\): .* got 0"),
+    ("stride", ValueError, r"q strides must be multiples of 8 elements"),
+    ("scale", ValueError, r"softmax_scale must be a finite positive number .*, got -1.0"),
 ])
-def test_empty_dims(b, sq, sk, h, what):
-    with pytest.raises(ValueError, match=rf"{what} must be >= 1, got 0"):
-        validate_fwd_inputs(*_qkv(b=b, sq=sq, sk=sk, h=h), None)
+def test_empty_inputs_get_the_other_checks(case, exc, msg):
+    q, k, v = _empty_qkv(0, 16, 24, 4, 4)
+    scale = None
+    if case == "fp32":
+        q, k, v = (t.float() for t in (q, k, v))
+    elif case == "headdim":
+        q, k, v = _empty_qkv(0, 16, 24, 4, 4, d=80)
+    elif case == "rank":
+        k = k.flatten(0, 1)
+    elif case == "batch":
+        k = v = torch.zeros(2, 24, 4, 64, dtype=torch.bfloat16)
+    elif case == "kv-heads-0":
+        q, k, v = _empty_qkv(2, 0, 24, 4, 0)
+    elif case == "stride":
+        q = torch.zeros(0, 16, 4, 65, dtype=torch.bfloat16)[..., :64]
+    elif case == "scale":
+        scale = -1.0
+    with pytest.raises(exc, match=msg):
+        validate_fwd_inputs(q, k, v, scale)
 
 
 @pytest.mark.parametrize("d", [32, 80, 160, 512])
@@ -263,7 +309,7 @@ def test_mha_raises_before_launcher(monkeypatch, case):
         cute_attn.mha(q, k, v, softmax_scale=scale)
 
 
-@pytest.mark.parametrize("causal", [False, True, 0, 1])
+@pytest.mark.parametrize("causal", [False, True, np.False_, np.True_])
 @pytest.mark.parametrize("scale", [None, 0.25, 2])
 def test_mha_calls_launcher(monkeypatch, causal, scale):
     calls = []
@@ -358,12 +404,19 @@ def test_gqa_heads_accepted(h, h_kv, varlen):
     (4, 8, 8, r"k nheads must divide q nheads \(4\): .* got 8"),
     (8, 0, 0, r"k nheads must divide q nheads \(8\): .* got 0"),
     (8, 2, 4, r"v nheads must equal k nheads \(2\), got 4"),
-    (0, 1, 1, r"q nheads must be >= 1, got 0"),
+    (0, 1, 2, r"v nheads must equal k nheads \(1\), got 2"),
 ])
 def test_gqa_heads_rejected(h, h_k, h_v, msg):
     q, k, v = (torch.zeros(2, 10, n, 64) for n in (h, h_k, h_v))
     with pytest.raises(ValueError, match=msg):
         validate_gqa_heads(q, k, v)
+
+
+@pytest.mark.parametrize("h_kv", [0, 1, 4])
+def test_gqa_no_query_heads_is_an_empty_group(h_kv):
+    q = torch.zeros(2, 10, 0, 64)
+    k = v = torch.zeros(2, 10, h_kv, 64)
+    assert validate_gqa_heads(q, k, v) == 0
 
 
 def test_gqa_heads_needs_tensors_with_heads():
@@ -520,3 +573,411 @@ def test_alignment_in_elements_follows_the_dtype(monkeypatch, varlen):
         _fwd_inputs(varlen, dtype=torch.float8_e4m3fn, pad=16)(None)
     with pytest.raises(TypeError, match=r"q must be torch.float16 or torch.bfloat16 or torch.float8_e4m3fn, got torch.float32"):
         _fwd_inputs(varlen, dtype=torch.float32)(None)
+
+
+# --- issue 17: no silent acceptance of values the kernels cannot carry --------------------
+# Each value below once passed every host check and reached the kernel unverified.
+
+def _trap_launcher(monkeypatch, run_fwd=_fail_if_called):
+    """A stub launcher whose forward is run_fwd and whose backward fails the test."""
+    _fake_launcher(monkeypatch, run_fwd)
+
+    def run_bwd(*args, **kwargs):
+        pytest.fail("launcher.run_bwd was called for a call that needs no kernel")
+
+    sys.modules["cute_attn.launcher"].run_bwd = run_bwd
+
+
+def _sm90(monkeypatch, *tensors):
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    return tuple(_fake_cuda(t) for t in tensors)
+
+
+def _plain(t):
+    """A _FakeCuda result as a plain CPU tensor (its .device would need _fake_device)."""
+    return t.as_subclass(torch.Tensor)
+
+
+def _varlen_call(q, k, v, cu_q, cu_k, max_q=5, max_k=5, **kwargs):
+    return cute_attn.mha_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+# 1. softmax_scale: float32, with log2(e) folded in (blocks/softmax.py, fold_score_scale)
+
+def test_fold_range_is_what_float32_carries():
+    f32, log2e = np.float32, np.float32(np.log2(np.e))
+    assert validation.FOLD_MIN == float(np.finfo(np.float32).tiny)  # smallest normal
+    top = f32(validation.FOLD_MAX)
+    assert float(top) == validation.FOLD_MAX and np.isfinite(top * log2e)
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.nextafter(top, f32(np.inf)) * log2e)
+
+
+FOLD_RANGE = r"\[1.175494e-38, 2.358657e\+38\]"
+
+
+@pytest.mark.parametrize("scale", [1e39, 3e38, 2.36e38, 1e-39, 1e-45, 5e-324, 10 ** 39, 10 ** 400])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_softmax_scale_beyond_float32_fold_rejected(scale, varlen):
+    msg = (rf"softmax_scale must be in {FOLD_RANGE}, where it and softmax_scale \* log2\(e\) "
+           rf"\(which the kernel computes\) are normal, finite float32 numbers, got {re.escape(str(scale))}$")
+    with pytest.raises(ValueError, match=msg):
+        _fwd_inputs(varlen)(scale)
+
+
+@pytest.mark.parametrize("scale", [validation.FOLD_MIN, validation.FOLD_MAX, 1e-30, 1e30, np.float32(2e38)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_softmax_scale_at_the_fold_bounds_accepted(scale, varlen):
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        _fwd_inputs(varlen)(scale)
+
+
+def test_mha_rejects_unfoldable_scale_before_launcher(monkeypatch):
+    _trap_launcher(monkeypatch)
+    q, k, v = _sm90(monkeypatch, *_qkv())
+    with pytest.raises(ValueError, match=r"softmax_scale must be in .*got 1e\+39"):
+        cute_attn.mha(q, k, v, softmax_scale=1e39)
+
+
+# 2. softcap: float32, softcap * log2(e) and softmax_scale / softcap
+
+@pytest.mark.parametrize("softcap", [1e39, 3e38, 1e-39, 1e-45, 10 ** 39, 10 ** 400])
+def test_softcap_beyond_float32_fold_rejected(softcap):
+    msg = (rf"softcap must be 0 \(off\) or in {FOLD_RANGE}, where it and softcap \* log2\(e\) "
+           rf"\(which the kernel computes\) are normal, finite float32 numbers, got {re.escape(str(softcap))}$")
+    with pytest.raises(ValueError, match=msg):
+        validate_softcap(softcap)
+
+
+@pytest.mark.parametrize("softcap", [validation.FOLD_MIN, validation.FOLD_MAX, 1e-30, 1e30])
+def test_softcap_at_the_fold_bounds_accepted(softcap):
+    assert validate_softcap(softcap) == softcap
+
+
+RATIO_MSG = (r"softcap must keep softmax_scale / softcap a normal, finite float32 \(in "
+             r"\[1.175494e-38, 3.402823e\+38\]; the kernel computes tanh\(scores \* "
+             r"softmax_scale / softcap\) in float32\), got softcap={softcap} with "
+             r"softmax_scale={scale}{default}: softmax_scale / softcap = {ratio}")
+
+
+@pytest.mark.parametrize("softcap, scale, ratio", [
+    (1e-30, 1e10, r"1e\+40"),  # the reciprocal overflows
+    (2e-38, 1e10, r"5e\+47"),
+    (1e30, 1e-10, r"1e-40"),  # subnormal: flushed to 0, every score tanh(0)
+    (1e20, None, r"1.25e-21"),  # fine: reaches the device check
+])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_softmax_scale_over_softcap_must_stay_a_normal_float32(monkeypatch, softcap, scale, ratio, varlen):
+    if varlen:
+        q, k, v, cu_q, cu_k = _varlen()
+        call = lambda: cute_attn.mha_varlen(q, k, v, cu_q, cu_k, 5, 5, softcap=softcap,  # noqa: E731
+                                            softmax_scale=scale)
+    else:
+        q, k, v = _qkv()
+        call = lambda: cute_attn.mha(q, k, v, softcap=softcap, softmax_scale=scale)  # noqa: E731
+    _trap_launcher(monkeypatch)
+    if scale is None:  # 1e20 / 8: a normal float32
+        with pytest.raises(ValueError, match=CPU_ERROR):
+            call()
+        return
+    msg = RATIO_MSG.format(softcap=re.escape(repr(softcap)), scale=re.escape(repr(scale)), default="",
+                           ratio=ratio)
+    with pytest.raises(ValueError, match=msg):  # before the device check
+        call()
+
+
+def test_softcap_over_default_scale_names_the_default():
+    q, k, v = _qkv(d=64)
+    msg = RATIO_MSG.format(softcap=r"1e\+38", scale="0.125", default=re.escape(" (the default, 1/sqrt(headdim))"),
+                           ratio=r"1.25e-39")
+    with pytest.raises(ValueError, match=msg):
+        validate_fwd_inputs(q, k, v, None, 1e38)
+
+
+def test_softcap_ratio_checked_on_the_fast_path_too(monkeypatch):
+    """A GPU call takes _plainly_valid's early return: the ratio check must be there too."""
+    monkeypatch.setattr(validation, "_plainly_valid", lambda *args: True)
+    q, k, v = _qkv()
+    assert validate_fwd_inputs(q, k, v, 1e10, 1e-20) is None
+    with pytest.raises(ValueError, match=r"softcap must keep softmax_scale / softcap"):
+        validate_fwd_inputs(q, k, v, 1e10, 1e-30)
+
+
+# 3. window sides past config.UNBOUNDED are unbounded, with the mask kind of -1
+
+@pytest.mark.parametrize("causal, window, same_as", [
+    (False, (2 ** 40, 0), (-1, 0)),
+    (False, (2 ** 40, 2 ** 40), (-1, -1)),
+    (False, (config.UNBOUNDED, config.UNBOUNDED), (-1, -1)),
+    (False, (-1, 2 ** 40), (-1, -1)),
+    (False, (2 ** 40, 5), (-1, 5)),
+    (False, (3, 2 ** 40), (3, -1)),
+    (False, (3, 2 ** 63), (3, -1)),
+    (True, (2 ** 40, 7), (-1, 0)),
+    (True, (2 ** 40, 2 ** 40), (-1, -1)),
+])
+@pytest.mark.parametrize("softcap, varlen", [(0.0, None), (5.0, None), (0.0, ("cu_q", "cu_k", 9, 9))])
+def test_huge_window_sides_are_unbounded(causal, window, same_as, softcap, varlen):
+    got = cute_attn.api._features_and_args(causal, window, softcap, 0.1, varlen)
+    assert got == cute_attn.api._features_and_args(causal, same_as, softcap, 0.1, varlen)
+    features, args = got
+    expected_mask = {(-1, -1): "none", (-1, 0): "causal"}.get((same_as[0], 0 if causal else same_as[1]), "local")
+    assert features.mask == expected_mask
+    assert all(0 <= side <= config.UNBOUNDED < 2 ** 31 for side in args.window)  # Int32 kernel args
+
+
+def test_window_side_just_below_unbounded_stays_a_window():
+    features, args = cute_attn.api._features_and_args(False, (config.UNBOUNDED - 1, 0), 0.0, 0.1)
+    assert features.mask == "local" and args.window == (config.UNBOUNDED - 1, 0)
+
+
+def test_mha_with_huge_window_runs_the_causal_kernel(monkeypatch):
+    calls = []
+    _trap_launcher(monkeypatch, lambda q, k, v, features, args, config=None: calls.append(features) or ("o", "l"))
+    q, k, v = _sm90(monkeypatch, *_qkv(d=128))
+    cute_attn.mha(q, k, v, window_size=(2 ** 40, 0))
+    cute_attn.mha(q, k, v, window_size=(2 ** 40, 2 ** 40))
+    assert calls == [config.CAUSAL, config.DENSE]
+
+
+# 4. max_seqlen above the total tokens is the total (an Int32 kernel argument)
+
+@pytest.mark.parametrize("check", [None, False])
+def test_huge_max_seqlen_is_clamped_to_the_total_tokens(monkeypatch, check):
+    calls = []
+    _trap_launcher(monkeypatch, lambda q, k, v, features, args, config=None: calls.append(args) or ("o", "l"))
+    q, k, v, cu_q, cu_k = _sm90(monkeypatch, *_varlen())  # totals 8 and 11, longest 5 and 5
+    _varlen_call(q, k, v, cu_q, cu_k, 10 ** 12, np.int64(2 ** 40), check_cu_seqlens=check)
+    _varlen_call(q, k, v, cu_q, cu_k, 6, 7, check_cu_seqlens=check)
+    assert [(a.max_seqlen_q, a.max_seqlen_k) for a in calls] == [(8, 11), (6, 7)]
+    assert all(type(a.max_seqlen_q) is int and type(a.max_seqlen_k) is int for a in calls)
+    with pytest.raises(ValueError, match=r"max_seqlen_q must be >= the longest sequence in cu_seqlens_q \(5\), got 4"):
+        _varlen_call(q, k, v, cu_q, cu_k, 4, 10 ** 12)
+
+
+# 5. causal, return_lse, deterministic are booleans
+
+@pytest.mark.parametrize("name", ["causal", "return_lse", "deterministic"])
+@pytest.mark.parametrize("value, shown", [
+    ("no", "str 'no'"), (0, "int 0"), (1, "int 1"), (None, "NoneType None"), (1.0, "float 1.0"),
+    (torch.tensor(True), "Tensor tensor(True)"), (np.int64(1), f"int64 {np.int64(1)!r}"),
+])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_flags_must_be_booleans(monkeypatch, name, value, shown, varlen):
+    _trap_launcher(monkeypatch)
+    msg = rf"{name} must be a bool \(True or False\), got {re.escape(shown)}$"
+    with pytest.raises(TypeError, match=msg):  # CPU tensors: before the device check
+        if varlen:
+            _varlen_call(*_varlen(), **{name: value})
+        else:
+            cute_attn.mha(*_qkv(), **{name: value})
+
+
+@pytest.mark.parametrize("value", [True, False, np.True_, np.False_])
+def test_flags_accept_python_and_numpy_bools(value):
+    assert validation.validate_flags(value, value, value) == (bool(value),) * 3
+    assert all(type(f) is bool for f in validation.validate_flags(value, value, value))
+
+
+# 6. stride 0 (an expanded tensor) on a dim of size > 1
+
+@pytest.mark.parametrize("name, dim, label, size, gqa_hint", [
+    ("k", 2, "nheads", 4, True), ("v", 2, "nheads", 4, True), ("q", 2, "nheads", 4, False),
+    ("k", 1, "seqlen", 24, False), ("q", 0, "batch", 2, False), ("v", 0, "batch", 2, False),
+])
+def test_expanded_operand_rejected(monkeypatch, name, dim, label, size, gqa_hint):
+    qkv = _qkv(h=4)
+    t = dict(zip("qkv", qkv))[name]
+    index = [slice(None)] * 4
+    index[dim] = slice(0, 1)
+    shape = [-1] * 4
+    shape[dim] = size
+    bad = t[tuple(index)].expand(*shape)
+    assert bad.shape == t.shape and bad.stride()[dim] == 0
+    hint = (rf"pass {name} unexpanded, with fewer heads: nheads_kv dividing nheads is supported natively "
+            r"\(GQA/MQA\)" if gqa_hint else re.escape(validation._COPY_HINT))
+    msg = (rf"{name} strides must be nonzero on every dim of size > 1, got stride 0 on dim {dim} \({label}, "
+           rf"size {size}\), strides {re.escape(str(bad.stride()))}: an expanded \(broadcast\) tensor, which "
+           rf"TMA cannot read .*; {hint}")
+    for setup in ("cpu", "sm90"):
+        args = _replace(qkv, name, bad)
+        if setup == "sm90":
+            args = _sm90(monkeypatch, *args)
+        with pytest.raises(ValueError, match=msg):
+            validate_fwd_inputs(*args, None)
+
+
+@pytest.mark.parametrize("name, dim, label, gqa_hint", [
+    ("k", 1, "nheads", True), ("q", 0, "total_tokens", False), ("v", 0, "total_tokens", False),
+])
+def test_expanded_varlen_operand_rejected(name, dim, label, gqa_hint):
+    q, k, v, cu_q, cu_k = _varlen(h=8, h_kv=2)
+    t = {"q": q, "k": k, "v": v}[name]
+    index = [slice(None)] * 3
+    index[dim] = slice(0, 1)
+    shape = [-1] * 3
+    shape[dim] = t.shape[dim]
+    bad = t[tuple(index)].expand(*shape)
+    tensors = {"q": q, "k": k, "v": v, name: bad}
+    msg = rf"{name} strides must be nonzero on every dim of size > 1, got stride 0 on dim {dim} \({label}, "
+    msg += r".*nheads_kv dividing nheads" if gqa_hint else r".*\.clone\(memory_format"
+    with pytest.raises(ValueError, match=msg):
+        validate_varlen_fwd_inputs(tensors["q"], tensors["k"], tensors["v"], cu_q, cu_k, 5, 5, None)
+
+
+def test_stride_0_on_a_dim_of_size_1_still_accepted():
+    q, k, v = _qkv(h=4)
+    k1 = torch.zeros(2, 24, 1, 64, dtype=torch.bfloat16)
+    k1 = k1.as_strided(k1.shape, (24 * 64, 64, 0, 1))
+    v1 = torch.zeros(1, 24, 1, 64, dtype=torch.bfloat16).expand(2, -1, -1, -1).clone()
+    with pytest.raises(ValueError, match=r"q " + CPU_ERROR):
+        validate_fwd_inputs(q, k1, v1, None)
+    q0 = torch.zeros(1, 16, 4, 64, dtype=torch.bfloat16)
+    q0 = q0.as_strided(q0.shape, (0, 256, 64, 1))  # batch 1 of stride 0
+    with pytest.raises(ValueError, match=r"q " + CPU_ERROR):
+        validate_fwd_inputs(q0, k1[:1], v1[:1], None)
+
+
+# 7. empty inputs: empty outputs (or out = 0, lse = -inf without keys), no kernel
+
+@pytest.mark.parametrize("b, sq, sk, h, h_k", EMPTY_SHAPES)
+@pytest.mark.parametrize("grad", [False, True])
+def test_empty_mha_returns_empty_outputs_without_a_kernel(monkeypatch, b, sq, sk, h, h_k, grad):
+    _trap_launcher(monkeypatch)
+    q, k, v = _sm90(monkeypatch, *_empty_qkv(b, sq, sk, h, h_k))
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_()
+    out, lse = cute_attn.mha(q, k, v, causal=True, return_lse=True, window_size=(4, 0), softcap=3.0)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    assert torch.equal(_plain(out), torch.zeros(q.shape, dtype=q.dtype))
+    assert torch.equal(_plain(lse), torch.full((b, h, sq), -torch.inf))
+    assert not lse.requires_grad and out.requires_grad == grad
+    if grad:
+        dout = torch.randn(q.shape, dtype=q.dtype)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        for g, t in zip(grads, (q, k, v)):
+            assert g.shape == t.shape and g.dtype == t.dtype
+            assert not _plain(g).any()
+
+
+def test_no_keys_gives_zero_out_and_minus_inf_lse(monkeypatch):
+    """seqlen_k = 0 with queries: every row sees no key, so out = 0, lse = -inf, the
+    documented rule for such rows; the gradient of q is 0 and those of k, v are empty."""
+    _trap_launcher(monkeypatch)
+    q, k, v = _sm90(monkeypatch, *_empty_qkv(2, 16, 0, 4, 2))
+    q.requires_grad_()
+    out, lse = cute_attn.mha(q, k, v, return_lse=True)
+    assert out.shape == (2, 16, 4, 64) and not _plain(out).any()
+    assert lse.shape == (2, 4, 16) and bool((_plain(lse) == -torch.inf).all())
+    (dq,) = torch.autograd.grad(out.float().sum(), (q,))
+    assert dq.shape == q.shape and not _plain(dq).any()
+
+
+def test_empty_output_keeps_q_stride_order(monkeypatch):
+    _trap_launcher(monkeypatch)
+    q = torch.zeros(2, 4, 16, 64, dtype=torch.bfloat16).transpose(1, 2)  # (2, 16, 4, 64) view
+    k = v = torch.zeros(2, 0, 4, 64, dtype=torch.bfloat16)
+    q, k, v = _sm90(monkeypatch, q, k, v)
+    out = cute_attn.mha(q, k, v)
+    assert out.stride() == q.stride()
+
+
+@pytest.mark.parametrize("lens_q, lens_k, h, h_kv, zero_out", [
+    ((0, 0), (0, 0), 8, 2, False),  # no tokens at all
+    ((0, 0), (3, 4), 8, 2, False),  # no queries
+    ((3, 5), (0, 0), 8, 2, True),  # no keys: out = 0, lse = -inf
+    ((3, 5), (3, 4), 0, 0, False),  # no heads
+])
+@pytest.mark.parametrize("grad", [False, True])
+def test_empty_varlen_returns_empty_outputs_without_a_kernel(monkeypatch, lens_q, lens_k, h, h_kv, zero_out, grad):
+    _trap_launcher(monkeypatch)
+    q, k, v, cu_q, cu_k = _sm90(monkeypatch, *_varlen(lens_q, lens_k, h=h, h_kv=h_kv))
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_()
+    out, lse = _varlen_call(q, k, v, cu_q, cu_k, 5, 5, return_lse=True, causal=True)
+    total_q = sum(lens_q)
+    assert out.shape == (total_q, h, 64) and lse.shape == (h, total_q)
+    assert not _plain(out).any() and bool((_plain(lse) == -torch.inf).all())
+    assert zero_out == (out.numel() > 0)
+    if grad:
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
+        assert not any(_plain(g).any() for g in grads)
+
+
+def test_empty_varlen_still_checks_the_offsets(monkeypatch):
+    _trap_launcher(monkeypatch)
+    q, k, v, _, cu_k = _sm90(monkeypatch, *_varlen((0, 0), (0, 0)))
+    bad = _fake_cuda(torch.tensor([0, 1, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
+        _varlen_call(q, k, v, bad, cu_k, 5, 5)
+
+
+def test_empty_fp32_still_raises_the_dtype_error(monkeypatch):
+    _trap_launcher(monkeypatch)
+    q, k, v = _sm90(monkeypatch, *_empty_qkv(0, 16, 24, 4, 4, dtype=torch.float32))
+    with pytest.raises(TypeError, match=r"q must be torch.float16 or torch.bfloat16, got torch.float32"):
+        cute_attn.mha(q, k, v)
+    q, k, v, cu_q, cu_k = _varlen((0,), (0,))
+    with pytest.raises(TypeError, match=r"q must be torch.float16 or torch.bfloat16, got torch.float32"):
+        _varlen_call(q.float(), k.float(), v.float(), cu_q, cu_k)
+
+
+def test_kv_without_heads_for_query_heads_is_still_an_error(monkeypatch):
+    _trap_launcher(monkeypatch)
+    q, k, v = _sm90(monkeypatch, *_empty_qkv(2, 16, 24, 4, 0))
+    with pytest.raises(ValueError, match=r"k nheads must divide q nheads \(4\): .* got 0"):
+        cute_attn.mha(q, k, v)
+
+
+# --- on an sm_90 GPU: the fast path and real CUDA outputs --------------------------------
+
+def _cuda(*tensors):
+    return tuple(t.cuda() for t in tensors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, sq, sk, h, h_k", EMPTY_SHAPES)
+def test_empty_dense_call_on_gpu(b, sq, sk, h, h_k):
+    q, k, v = (t.requires_grad_() for t in _cuda(*_empty_qkv(b, sq, sk, h, h_k)))
+    out, lse = cute_attn.mha(q, k, v, causal=True, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.device == q.device
+    assert not out.any() and bool((lse == -torch.inf).all())
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [g.shape for g in grads] == [t.shape for t in (q, k, v)] and not any(g.any() for g in grads)
+
+
+@pytest.mark.gpu
+def test_empty_varlen_call_on_gpu():
+    q, k, v, cu_q, cu_k = _cuda(*_varlen((0, 0), (0, 0)))
+    out, lse = cute_attn.mha_varlen(q, k, v, cu_q, cu_k, 0, 0, return_lse=True)
+    assert out.shape == (0, 8, 64) and lse.shape == (8, 0) and out.is_cuda and lse.is_cuda
+    q, k, v, cu_q, cu_k = _cuda(*_varlen((3, 5), (0, 0)))
+    out, lse = cute_attn.mha_varlen(q, k, v, cu_q, cu_k, 5, 0, return_lse=True)
+    assert out.shape == (8, 8, 64) and not out.any() and bool((lse == -torch.inf).all())
+
+
+@pytest.mark.gpu
+def test_no_keys_on_gpu_gives_zeros_minus_inf_and_zero_grads():
+    q, k, v = (t.requires_grad_() for t in _cuda(*_empty_qkv(2, 16, 0, 4, 2)))
+    out, lse = cute_attn.mha(q, k, v, return_lse=True)
+    assert out.shape == q.shape and not out.any() and bool((lse == -torch.inf).all())
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert not dq.any() and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.gpu
+def test_fast_path_rejects_expanded_kv_and_unfoldable_scale_on_gpu():
+    q, k, v = _cuda(*_qkv(h=8))
+    k1, v1 = k[:, :, :1], v[:, :, :1]
+    with pytest.raises(ValueError, match=r"k strides must be nonzero .* nheads_kv dividing nheads"):
+        cute_attn.mha(q, k1.expand(-1, -1, 8, -1), v1.expand(-1, -1, 8, -1))
+    assert cute_attn.mha(q, k1, v1).shape == q.shape  # MQA, unexpanded
+    with pytest.raises(ValueError, match=r"softmax_scale must be in .*got 1e\+39"):
+        cute_attn.mha(q, k, v, softmax_scale=1e39)
+    with pytest.raises(TypeError, match=r"causal must be a bool"):
+        cute_attn.mha(q, k, v, causal="no")
