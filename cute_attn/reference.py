@@ -129,3 +129,30 @@ def attention_ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
         outs.append(out_b[0])
         lses.append(lse_b[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def combine_splits(out_parts, lse_parts):
+    """Merge split-KV partial results into (out, lse), in float32.
+
+    out_parts: (num_splits, batch, seqlen_q, nheads, headdim), each split's output over
+    its share of the keys (normalised within the split); lse_parts: (num_splits, batch,
+    nheads, seqlen_q), each split's natural-log LSE, -inf where the split saw no key (its
+    out_parts there may hold anything, NaN included: weight 0, never read). The whole
+    row is the LSE-weighted mean, out = sum_s exp(lse_s - lse) out_s with
+    lse = log sum_s exp(lse_s); a row that no split saw gets out = 0 and lse = -inf. The
+    ground truth of kernels/combine.py (and of any split of the keys: chunks of one
+    sequence, or the ranks of a context-parallel ring).
+    """
+    lse_parts = lse_parts.float()
+    seen = lse_parts > float("-inf")  # (splits, batch, heads, seqlen_q)
+    row_max = torch.where(seen, lse_parts, float("-inf")).amax(dim=0)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    weights = torch.where(seen, torch.exp(lse_parts - row_max), 0.0)
+    total = weights.sum(dim=0)
+    any_seen = total > 0
+    lse = torch.where(any_seen, row_max + torch.log(torch.where(any_seen, total, 1.0)), float("-inf"))
+    weights = weights / torch.where(any_seen, total, 1.0)
+    # (splits, batch, heads, seqlen_q) -> (splits, batch, seqlen_q, heads, 1) against out
+    w = weights.permute(0, 1, 3, 2).unsqueeze(-1)
+    parts = torch.where(w > 0, out_parts.float(), 0.0)
+    return (w * parts).sum(dim=0), lse

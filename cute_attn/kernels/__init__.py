@@ -11,6 +11,9 @@ imports another: what two kernels share lives in cute_attn/blocks/.
                them with turn counters).
   bwd_prepost  BwdPreprocess (D = rowsum(dO * O), LSE * log2(e), padded to whole tiles)
                and BwdPostprocess (dQ from the fp32 accumulator), one query tile per CTA.
+  combine      SplitCombine: merges split-KV partials (fp32 O and LSE per split) by LSE
+               into O and LSE (reference: cute_attn.reference.combine_splits). Compiled
+               and CPU-tested; the split forward that feeds it is not built yet.
 
 Adding a family (split-KV decode and its LSE combine, an FP8 forward, mask/score mods):
 put it in a new module here, with a config dataclass and a `*_config_for` heuristic in
