@@ -322,3 +322,33 @@ def test_launcher_refuses_split_kv_until_the_combine_kernel_exists():
     cfg = dataclasses.replace(fwd_config_for(128, AttnFeatures()), num_splits=2)
     with pytest.raises(NotImplementedError, match="num_splits"):
         launcher.run_fwd(q, q, q, AttnFeatures(), RunArgs(0.1), config=cfg)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_split_combine_compiles(dtype, varlen):
+    """kernels/combine.py for sm_90a: one exp2 per split weight, one log2 for the LSE, and
+    16-bit stores of O (the input dtype) plus the fp32 LSE; num_splits stays a symbol."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_attn import launcher
+    from cute_attn.config import DTYPES
+    from cute_attn.kernels.combine import SplitCombine
+
+    n, d = launcher._Symbols(), 128
+    splits = cute.sym_int32(symbol="splits")
+    o_strides = [cute.sym_int64(symbol=f"opart_stride{i}") for i in range(4)]
+    o_part = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (splits, n.batch, n.seqlen_q, n.heads, d), stride=(*o_strides, 1), assumed_align=16)
+    l_strides = [cute.sym_int64(symbol=f"lpart_stride{i}") for i in range(3)]
+    lse_part = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (splits, n.batch, n.heads, n.seqlen_q), stride=(*l_strides, 1), assumed_align=4)
+    args = (o_part, lse_part, launcher._fake_bshd(dtype, n.batch, n.seqlen_q, n.heads, d, "o"),
+            launcher._fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse"),
+            launcher._fake_cu_seqlens("cu_seqlens_q"), cutlass.Int32(0), launcher._fake_stream())
+    kernel = SplitCombine(DTYPES[dtype], d, AttnFeatures(varlen=varlen))
+    ptx = cute.compile(kernel, *args, options="--enable-tvm-ffi --gpu-arch sm_90a --keep-ptx").__ptx__
+    assert ".target sm_90a" in ptx
+    assert "ex2.approx" in ptx and "lg2.approx" in ptx
+    assert "st.global.b16" in ptx and "st.global.b32" in ptx  # O (16-bit), LSE (fp32)
