@@ -3,10 +3,18 @@
 Importing the package does not import the DSL; the launcher loads it on first call. Every
 compile names its target, sm_90a, to the DSL (launcher._compile), so compiling on a
 machine without a GPU needs no CUTE_DSL_ARCH and works whatever imported cutlass first.
+
+Drop-in entry points (cute_attn.compat): flash_attn_func and flash_attn_varlen_func with
+FlashAttention 2's conventions, sdpa with torch's scaled_dot_product_attention's. Compiles
+are logged at INFO on the "cute_attn" logger.
 """
 
 from cute_attn import reference
 from cute_attn.api import mha, mha_varlen
+from cute_attn.compat import flash_attn_func, flash_attn_varlen_func, sdpa
 
 __version__ = "0.1.0"
-__all__ = ["mha", "mha_varlen", "reference", "__version__"]
+__all__ = [
+    "mha", "mha_varlen", "flash_attn_func", "flash_attn_varlen_func", "sdpa", "reference",
+    "__version__",
+]

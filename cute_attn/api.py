@@ -2,8 +2,10 @@
 autograd, a torch.autograd.Function runs the backward kernels."""
 
 import math
+from typing import Literal, Optional, Union, overload
 
 import torch
+from torch import Tensor
 
 from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, UNBOUNDED, AttnFeatures, RunArgs
 from cute_attn.validation import (
@@ -18,9 +20,28 @@ from cute_attn.validation import (
 
 _NO_WINDOW = (-1, -1)
 
+# (out, lse): what the entry points return with return_lse=True
+_TensorPair = tuple[Tensor, Tensor]
 
-def mha(q, k, v, *, causal=False, softmax_scale=None, window_size=_NO_WINDOW, softcap=0.0,
-        return_lse=False, deterministic=False):
+
+@overload
+def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
+        window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: Literal[False] = ...,
+        deterministic: bool = ...) -> Tensor: ...
+@overload
+def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
+        window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: Literal[True],
+        deterministic: bool = ...) -> _TensorPair: ...
+@overload
+def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
+        window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: bool,
+        deterministic: bool = ...) -> Union[Tensor, _TensorPair]: ...
+
+
+def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+        softmax_scale: Optional[float] = None, window_size: tuple[int, int] = _NO_WINDOW,
+        softcap: float = 0.0, return_lse: bool = False,
+        deterministic: bool = False) -> Union[Tensor, _TensorPair]:
     """Multi-head attention on an sm_90 (Hopper) GPU, differentiable.
 
     Args:
@@ -73,9 +94,31 @@ def mha(q, k, v, *, causal=False, softmax_scale=None, window_size=_NO_WINDOW, so
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
-def mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-               causal=False, window_size=_NO_WINDOW, softmax_scale=None, softcap=0.0,
-               return_lse=False, deterministic=False, check_cu_seqlens=None):
+@overload
+def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
+               window_size: tuple[int, int] = ..., softmax_scale: Optional[float] = ...,
+               softcap: float = ..., return_lse: Literal[False] = ..., deterministic: bool = ...,
+               check_cu_seqlens: Optional[bool] = ...) -> Tensor: ...
+@overload
+def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
+               window_size: tuple[int, int] = ..., softmax_scale: Optional[float] = ...,
+               softcap: float = ..., return_lse: Literal[True], deterministic: bool = ...,
+               check_cu_seqlens: Optional[bool] = ...) -> _TensorPair: ...
+@overload
+def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
+               window_size: tuple[int, int] = ..., softmax_scale: Optional[float] = ...,
+               softcap: float = ..., return_lse: bool, deterministic: bool = ...,
+               check_cu_seqlens: Optional[bool] = ...) -> Union[Tensor, _TensorPair]: ...
+
+
+def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+               window_size: tuple[int, int] = _NO_WINDOW, softmax_scale: Optional[float] = None,
+               softcap: float = 0.0, return_lse: bool = False, deterministic: bool = False,
+               check_cu_seqlens: Optional[bool] = None) -> Union[Tensor, _TensorPair]:
     """mha over a packed batch of variable-length sequences, differentiable.
 
     Args:

@@ -11,7 +11,9 @@ Compiling needs no GPU: every compile names its target, sm_90a, to the DSL (`_co
 whatever CUTE_DSL_ARCH says and whenever cutlass was imported (see cute_attn.ptx).
 """
 
+import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -123,15 +125,22 @@ def _fake_fwd_args(key: FwdKey):
     )
 
 
-def _compile(kernel, fake_args, extra_options: str, arch: str = ARCH):
+def _compile(kernel, fake_args, extra_options: str, key):
     """cute.compile for the key's arch, named explicitly (--gpu-arch): the DSL reads
     CUTE_DSL_ARCH once, when cutlass is first imported, and without it detects the GPU
     (sm_100a on a machine without one), so setting the variable later does nothing. The
-    option wins over both; on an sm_90 GPU it names what detection finds there anyway."""
+    option wins over both; on an sm_90 GPU it names what detection finds there anyway.
+
+    Logs one INFO line on the "cute_attn" logger per compiled kernel: its class, the
+    key it was compiled for and the seconds the compile took."""
     import cutlass.cute as cute
 
-    options = f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip()
-    return cute.compile(kernel, *fake_args, options=options)
+    options = f"--enable-tvm-ffi --gpu-arch {key.arch} {extra_options}".strip()
+    start = time.perf_counter()
+    compiled = cute.compile(kernel, *fake_args, options=options)
+    seconds = time.perf_counter() - start
+    logging.getLogger("cute_attn").info("compiled %s for %r in %.2f s", type(kernel).__name__, key, seconds)
+    return compiled
 
 
 def compile_fwd(key: FwdKey, extra_options: str = ""):
@@ -142,7 +151,7 @@ def compile_fwd(key: FwdKey, extra_options: str = ""):
 
     _check_capability("fwd", key)
     kernel = FlashFwdSm90(DTYPES[key.dtype], key.head_dim, key.features, key.config)
-    return _compile(kernel, _fake_fwd_args(key), extra_options, key.arch)
+    return _compile(kernel, _fake_fwd_args(key), extra_options, key)
 
 
 def _check_capability(family: str, key):
@@ -306,10 +315,10 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
     _check_capability("bwd", key)
     dtypes, cfg, features = DTYPES[key.dtype], key.config, key.features
     pre_args, main_args, post_args = _fake_bwd_args(key)
-    pre = _compile(BwdPreprocess(dtypes, key.head_dim, cfg, features), pre_args, extra_options, key.arch)
+    pre = _compile(BwdPreprocess(dtypes, key.head_dim, cfg, features), pre_args, extra_options, key)
     main = _compile(FlashBwdSm90(dtypes, key.head_dim, features, cfg, key.deterministic), main_args,
-                    extra_options, key.arch)
-    post = _compile(BwdPostprocess(dtypes, key.head_dim, cfg, features), post_args, extra_options, key.arch)
+                    extra_options, key)
+    post = _compile(BwdPostprocess(dtypes, key.head_dim, cfg, features), post_args, extra_options, key)
     return pre, main, post
 
 

@@ -1,0 +1,269 @@
+"""Drop-in entry points with the argument conventions of FlashAttention 2
+(`flash_attn_func`, `flash_attn_varlen_func`) and of PyTorch's
+`torch.nn.functional.scaled_dot_product_attention` (`sdpa`), computed by `cute_attn.mha` /
+`cute_attn.mha_varlen`.
+
+Only what those kernels compute is accepted: an argument asking for something else
+(dropout, ALiBi, a paged KV cache, an arbitrary attention mask) raises
+NotImplementedError naming it, rather than being ignored. Everything else is checked by
+mha / mha_varlen (dtype, device, head dims, strides, scale), which raise TypeError /
+ValueError naming their own argument (`softmax_scale` for SDPA's `scale`).
+
+Importing this module does not import the CuTe DSL.
+"""
+
+import numbers
+from typing import Literal, Optional, Union, overload
+
+from torch import Tensor
+
+from cute_attn.api import _NO_WINDOW, mha, mha_varlen
+from cute_attn.config import UNBOUNDED
+from cute_attn.validation import _BOOL_TYPES
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "sdpa"]
+
+# FlashAttention 2's (out, softmax_lse, S_dmask) with return_attn_probs=True; S_dmask is
+# always None here (see flash_attn_func)
+_WithProbs = tuple[Tensor, Tensor, None]
+
+
+# ----------------------------------------------------------------------------------------
+# FlashAttention 2
+# ----------------------------------------------------------------------------------------
+
+
+@overload
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = ...,
+                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                    window_size: tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Optional[Tensor] = ..., deterministic: bool = ...,
+                    return_attn_probs: Literal[False] = ...) -> Tensor: ...
+@overload
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = ...,
+                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                    window_size: tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Optional[Tensor] = ..., deterministic: bool = ..., *,
+                    return_attn_probs: Literal[True]) -> _WithProbs: ...
+@overload
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = ...,
+                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                    window_size: tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Optional[Tensor] = ..., deterministic: bool = ...,
+                    return_attn_probs: bool = ...) -> Union[Tensor, _WithProbs]: ...
+
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
+                    softmax_scale: Optional[float] = None, causal: bool = False,
+                    window_size: tuple[int, int] = _NO_WINDOW, softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                    return_attn_probs: bool = False) -> Union[Tensor, _WithProbs]:
+    """FlashAttention 2's `flash_attn_func` (same arguments, order and defaults),
+    computed by `cute_attn.mha`.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
+    nheads_kv dividing nheads (GQA/MQA). causal and window_size are bottom-right aligned,
+    as in FlashAttention 2 and `mha`; softcap > 0 caps the scores; deterministic makes
+    the backward bit-reproducible.
+
+    Returns out, like q; with return_attn_probs=True, (out, softmax_lse, None):
+    softmax_lse float32 (batch, nheads, seqlen_q), natural log, not differentiable. The
+    third item is None because the attention probabilities S are never materialised
+    (nothing of size seqlen^2 exists in the kernels). FlashAttention 2 fills it only when
+    dropout_p > 0 (a 0-element placeholder otherwise), and dropout is not supported here,
+    so no call of this function could have a meaningful S_dmask.
+
+    Raises NotImplementedError for dropout_p != 0 and for alibi_slopes other than None;
+    TypeError / ValueError (from mha) for what mha rejects.
+    """
+    _reject_unsupported(dropout_p, alibi_slopes)
+    with_probs = _checked_bool("return_attn_probs", return_attn_probs)
+    result = mha(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                 softcap=softcap, return_lse=with_probs, deterministic=deterministic)
+    return _fa2_result(result, with_probs)
+
+
+@overload
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = ..., softmax_scale: Optional[float] = ...,
+                           causal: bool = ..., window_size: tuple[int, int] = ...,
+                           softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
+                           deterministic: bool = ..., return_attn_probs: Literal[False] = ...,
+                           block_table: Optional[Tensor] = ...) -> Tensor: ...
+@overload
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = ..., softmax_scale: Optional[float] = ...,
+                           causal: bool = ..., window_size: tuple[int, int] = ...,
+                           softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
+                           deterministic: bool = ..., *, return_attn_probs: Literal[True],
+                           block_table: Optional[Tensor] = ...) -> _WithProbs: ...
+@overload
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = ..., softmax_scale: Optional[float] = ...,
+                           causal: bool = ..., window_size: tuple[int, int] = ...,
+                           softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
+                           deterministic: bool = ..., return_attn_probs: bool = ...,
+                           block_table: Optional[Tensor] = ...) -> Union[Tensor, _WithProbs]: ...
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                           causal: bool = False, window_size: tuple[int, int] = _NO_WINDOW,
+                           softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                           deterministic: bool = False, return_attn_probs: bool = False,
+                           block_table: Optional[Tensor] = None) -> Union[Tensor, _WithProbs]:
+    """FlashAttention 2's `flash_attn_varlen_func` (same arguments, order and defaults,
+    the trailing `block_table` included), computed by `cute_attn.mha_varlen`.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); cu_seqlens_q /
+    cu_seqlens_k: int32 (batch + 1,) offsets; max_seqlen_q / max_seqlen_k: Python ints.
+    Masks are bottom-right aligned per sequence. mha_varlen checks the offsets once per
+    tensor version by default (its check_cu_seqlens=None); call mha_varlen directly with
+    check_cu_seqlens=False to skip that.
+
+    Returns out (total_q, nheads, headdim), or with return_attn_probs=True
+    (out, softmax_lse, None) with softmax_lse float32 (nheads, total_q) (FlashAttention 2's
+    varlen layout); None for S_dmask as in `flash_attn_func`.
+
+    Raises NotImplementedError for dropout_p != 0, alibi_slopes or block_table (a paged
+    KV cache) other than None.
+    """
+    _reject_unsupported(dropout_p, alibi_slopes)
+    if block_table is not None:
+        raise NotImplementedError(
+            "flash_attn_varlen_func: block_table (a paged KV cache) is not supported by "
+            "cute_attn; pass block_table=None with k, v packed as (total_k, nheads_kv, headdim)"
+        )
+    with_probs = _checked_bool("return_attn_probs", return_attn_probs)
+    result = mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        causal=causal, window_size=window_size, softmax_scale=softmax_scale,
+                        softcap=softcap, return_lse=with_probs, deterministic=deterministic)
+    return _fa2_result(result, with_probs)
+
+
+def _reject_unsupported(dropout_p, alibi_slopes):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float (only 0.0 is supported), got "
+                        f"{type(dropout_p).__name__} {dropout_p!r}")
+    if dropout_p != 0:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p!r} is not supported: cute_attn has no attention dropout; "
+            "pass dropout_p=0.0 (e.g. dropout_p=p if self.training else 0.0 becomes 0.0)"
+        )
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "alibi_slopes is not supported: cute_attn has no ALiBi bias; pass alibi_slopes=None"
+        )
+
+
+def _fa2_result(result, with_probs):
+    if not with_probs:
+        return result
+    out, lse = result
+    return out, lse, None
+
+
+# ----------------------------------------------------------------------------------------
+# torch.nn.functional.scaled_dot_product_attention
+# ----------------------------------------------------------------------------------------
+
+
+def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+         dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
+         enable_gqa: bool = False) -> Tensor:
+    """`torch.nn.functional.scaled_dot_product_attention`'s conventions, computed by
+    `cute_attn.mha`.
+
+    query: (batch, heads, seqlen_q, headdim); key, value: (batch, heads_kv, seqlen_k,
+    headdim), exactly 4-D (torch also takes 3-D and extra leading dims; here they are a
+    ValueError: reshape to 4-D). float16 / bfloat16 on an sm_90 GPU, as for mha. They
+    reach mha as .transpose(1, 2) views, no copy; the result is mha's output transposed
+    back, a (batch, heads, seqlen_q, headdim) view (contiguous when query is).
+
+    is_causal=True is SDPA's TOP-LEFT aligned causal mask: query i sees key j iff j <= i,
+    whatever seqlen_q and seqlen_k are (mha's causal is bottom-right aligned; the two
+    agree only when seqlen_q == seqlen_k). It is computed exactly:
+      - seqlen_q <= seqlen_k: keys j >= seqlen_q are seen by no query, so key and value
+        are cut to their first seqlen_q keys (a view), where both alignments coincide;
+        their gradients there are zero, as in torch;
+      - seqlen_q > seqlen_k: the bottom-right window (left=-1, right=seqlen_q - seqlen_k),
+        i.e. j <= i + (seqlen_k - seqlen_q) + (seqlen_q - seqlen_k) = i.
+    scale: softmax scale, default 1/sqrt(headdim) (mha's checks, as softmax_scale).
+    enable_gqa=True lets key/value have fewer heads than query (heads_kv dividing heads;
+    query head h reads KV head h // (heads / heads_kv), as torch's); with False, key and
+    value need query's head count or 1 (which torch broadcasts: MQA), anything else is a
+    ValueError, as it is an error in torch.
+
+    Raises NotImplementedError for attn_mask other than None (no arbitrary mask) and for
+    dropout_p != 0; ValueError for inputs that are not 4-D or head counts that need
+    enable_gqa; the rest as mha.
+    """
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"sdpa: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise ValueError(
+                f"sdpa: {name} must be 4-D (batch, heads, seqlen, headdim), got {tensor.dim()}-D "
+                f"shape {tuple(tensor.shape)}; torch's SDPA also takes 3-D and extra leading "
+                "dims, cute_attn.sdpa takes exactly 4-D: reshape (or unsqueeze) to 4-D"
+            )
+    if attn_mask is not None:
+        raise NotImplementedError(
+            "sdpa: attn_mask is not supported (cute_attn has no arbitrary mask); pass "
+            "attn_mask=None, with is_causal=True for a causal mask, or cute_attn.mha's "
+            "window_size for a sliding window"
+        )
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"sdpa: dropout_p must be a float (only 0.0 is supported), got "
+                        f"{type(dropout_p).__name__} {dropout_p!r}")
+    if dropout_p != 0:
+        raise NotImplementedError(
+            f"sdpa: dropout_p={dropout_p!r} is not supported (cute_attn has no attention "
+            "dropout); pass dropout_p=0.0"
+        )
+    is_causal = _checked_bool("is_causal", is_causal)
+    enable_gqa = _checked_bool("enable_gqa", enable_gqa)
+    heads, heads_k, heads_v = query.shape[1], key.shape[1], value.shape[1]
+    if not enable_gqa and (heads_k not in (heads, 1) or heads_v not in (heads, 1)):
+        # torch broadcasts a heads dim of 1 (the same as MQA) and rejects other counts
+        raise ValueError(
+            f"sdpa: query has {heads} heads, key {heads_k} and value {heads_v}: with "
+            "enable_gqa=False (the default) they must be equal (or 1, broadcast); pass "
+            "enable_gqa=True for GQA (heads_kv dividing heads), as with torch's SDPA"
+        )
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    if value.shape[2] != seqlen_k:
+        raise ValueError(
+            f"sdpa: key and value must have the same seqlen (dim 2), got key "
+            f"{tuple(key.shape)} and value {tuple(value.shape)}"
+        )
+
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    causal, window = False, _NO_WINDOW
+    if is_causal:
+        if seqlen_q <= seqlen_k:
+            # top-left causal never reaches keys >= seqlen_q; without them the two
+            # alignments are the same mask
+            if seqlen_q < seqlen_k:
+                k, v = k[:, :seqlen_q], v[:, :seqlen_q]
+            causal = True
+        else:
+            right = seqlen_q - seqlen_k
+            if right >= UNBOUNDED:  # mha would read it as unbounded: not the same mask
+                raise ValueError(
+                    f"sdpa: is_causal with seqlen_q - seqlen_k = {right} >= {UNBOUNDED} "
+                    "(config.UNBOUNDED) cannot be expressed as a window"
+                )
+            window = (-1, right)
+    out = mha(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
+    return out.transpose(1, 2)
+
+
+def _checked_bool(name, value):
+    if not isinstance(value, _BOOL_TYPES):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return bool(value)
