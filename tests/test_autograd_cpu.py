@@ -7,17 +7,9 @@ import torch
 
 import cute_attn
 import cute_attn.api as api
-from cute_attn.config import UNBOUNDED
+from cpu_standin import ref_kwargs
 from cute_attn.reference import attention_ref
 from cute_attn.validation import prepare_dout
-
-
-def _ref_kwargs(features, args):
-    """attention_ref's keywords for what the launcher was asked to compute."""
-    left, right = (-1 if w == UNBOUNDED else w for w in args.window)
-    window = (left, right) if features.mask == "local" else (-1, -1)
-    return dict(causal=features.mask == "causal", softmax_scale=args.softmax_scale,
-                window_size=window, softcap=args.softcap)
 
 
 class FakeLauncher:
@@ -25,12 +17,12 @@ class FakeLauncher:
         self.bwd_calls = []
 
     def run_fwd(self, q, k, v, features, args, config=None):
-        kwargs = _ref_kwargs(features, args)
+        kwargs = ref_kwargs(features, args)
         out, lse = attention_ref(q, k, v, **kwargs)
         return out.to(q.dtype), lse
 
     def run_bwd(self, dout, q, k, v, out, lse, features, args, deterministic=False, config=None):
-        kwargs = _ref_kwargs(features, args)
+        kwargs = ref_kwargs(features, args)
         self.bwd_calls.append(dict(dout=dout, out=out, lse=lse, causal=kwargs["causal"],
                                    softmax_scale=args.softmax_scale, deterministic=deterministic,
                                    kwargs=kwargs))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import cute_attn
 import cute_attn.api as api
 from cute_attn.config import UNBOUNDED
+from cpu_standin import ref_kwargs
 from cute_attn.reference import attention_ref, attention_ref_varlen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,14 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------------------
 
 
-def _ref_kwargs(features, args):
-    """attention_ref's keywords for what the launcher was asked to compute."""
-    left, right = (-1 if w == UNBOUNDED else w for w in args.window)
-    window = (left, right) if features.mask == "local" else (-1, -1)
-    return dict(causal=features.mask == "causal", softmax_scale=args.softmax_scale,
-                window_size=window, softcap=args.softcap)
-
-
 class StandInLauncher:
     """run_fwd / run_bwd computed by the fp32 reference on the CPU; every call recorded."""
 
@@ -47,7 +40,7 @@ class StandInLauncher:
         self.fwd_calls, self.bwd_calls = [], []
 
     def run_fwd(self, q, k, v, features, args, config=None):
-        kwargs = _ref_kwargs(features, args)
+        kwargs = ref_kwargs(features, args)
         self.fwd_calls.append(dict(q=q, k=k, v=v, features=features, args=args, kwargs=kwargs))
         if features.varlen:
             out, lse = attention_ref_varlen(q, k, v, args.cu_seqlens_q, args.cu_seqlens_k, **kwargs)
@@ -60,7 +53,7 @@ class StandInLauncher:
         return result, lse
 
     def run_bwd(self, dout, q, k, v, out, lse, features, args, deterministic=False, config=None):
-        kwargs = _ref_kwargs(features, args)
+        kwargs = ref_kwargs(features, args)
         self.bwd_calls.append(dict(kwargs=kwargs, deterministic=deterministic))
         with torch.enable_grad():
             q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
