@@ -15,6 +15,7 @@ import numbers
 import struct
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 from cute_attn.config import CAPABILITIES, DTYPE_OF_INPUT, DTYPES, DtypePolicy
@@ -90,6 +91,10 @@ def _device_capability(device):
     return cap
 
 
+# dynamo folds this function to True while it traces (bound once: the fast path reads it)
+_is_compiling = torch.compiler.is_compiling
+
+
 def _plainly_valid(q, k, v, softmax_scale):
     """The common case in as few attribute reads as possible (this runs on every call;
     measured ~8 us for the detailed checks on an H200 host). False means "look closer",
@@ -107,11 +112,17 @@ def _plainly_valid(q, k, v, softmax_scale):
     if ks[0] != b or ks[2] < 1 or h % ks[2] or ks[3] != d or d not in fwd.head_dims or sq < 1 or ks[1] < 1 or b < 1 or h < 1:
         return False
     elems, align = policy.align_elems, policy.align_bytes
+    # torch.compile traces q, k, v as plain Tensors without an address (a data_ptr read
+    # there breaks the graph), so the pointers are checked only outside tracing; the
+    # traced call checks them in its op's real implementation (cute_attn.ops). The one
+    # unavoidable extra on this path: a call that costs ~50 ns on a CPU, and that dynamo
+    # folds to a constant. A FakeTensor never gets here (the type check above).
+    pointers = not _is_compiling()
     for t in (q, k, v):
         s0, s1, s2, s3 = t.stride()
         # a zero stride (an expanded dim) goes to the detailed checks, which reject it
         # unless the dim has size 1
-        if s3 != 1 or s0 % elems or s1 % elems or s2 % elems or not (s0 and s1 and s2) or t.data_ptr() % align:
+        if s3 != 1 or s0 % elems or s1 % elems or s2 % elems or not (s0 and s1 and s2) or (pointers and t.data_ptr() % align):
             return False
     if softmax_scale is not None and not (type(softmax_scale) is float and FOLD_MIN <= softmax_scale <= FOLD_MAX):
         return False
@@ -230,11 +241,23 @@ def _layout_problem(name, t, policy):
         return (f"{name} strides must be multiples of {policy.align_elems} elements "
                 f"({policy.align_bytes} bytes, a TMA requirement), got strides {strides}; "
                 f"{_COPY_HINT}")
-    if t.data_ptr() % policy.align_bytes:
+    if not pointer_unknown(t) and t.data_ptr() % policy.align_bytes:
         return (f"{name} data pointer must be {policy.align_bytes}-byte aligned (a TMA "
                 f"requirement), got address {t.data_ptr():#x} (storage offset "
                 f"{t.storage_offset()}); {_COPY_HINT}")
     return None
+
+
+def pointer_unknown(t):
+    """True when t has no address to check: a FakeTensor (FakeTensorMode, or what
+    torch.compile's AOT tracing sees, functional wrappers included), a meta tensor, or
+    any tensor while dynamo traces (it hands plain Tensors over, and a data_ptr read there
+    breaks the graph). Alignment is then checked where real pointers exist, in the real
+    implementations of cute_attn.ops. Off the fast path (_plainly_valid has its own
+    guard), so the cost of the checks here does not matter."""
+    if _is_compiling() or t.is_meta:
+        return True
+    return type(t) is not torch.Tensor and is_fake(t)
 
 
 def _broadcast_problem(name, t, dim):

@@ -1,0 +1,299 @@
+"""The kernels as torch.library custom ops, for torch.compile, torch.export and FakeTensorMode.
+
+Four ops in the namespace `cute_attn`, each with a fake (meta) implementation that only
+allocates outputs shaped and laid out as the launcher's, and the forwards differentiable
+through `register_autograd`:
+
+    cute_attn::fwd(Tensor q, Tensor k, Tensor v, str mask, float softmax_scale,
+                   float softcap, SymInt window_left, SymInt window_right,
+                   bool deterministic) -> (Tensor out, Tensor lse)
+    cute_attn::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                   <the same six>) -> (Tensor dq, Tensor dk, Tensor dv)
+    cute_attn::fwd_varlen(q, k, v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
+                          SymInt max_seqlen_q, SymInt max_seqlen_k, <the same six>)
+    cute_attn::bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, <the same six>)
+
+The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
+builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
+the window's sides (RunArgs.window: config.UNBOUNDED for an unbounded side) and
+deterministic, which only the backward reads (the forward carries it to its autograd
+formula). The ops trust their arguments as the launcher does: `mha` / `mha_varlen` here
+validate first. Validation runs on fake tensors too (no data_ptr read there:
+validation.pointer_unknown); the pointers' alignment is then checked by the real
+implementations, which see real tensors.
+
+`cute_attn.mha` does not route through these ops yet: a custom op's dispatch adds host
+time per call, to be measured on the GPU first. Importing this module registers the ops
+and imports no DSL; the launcher is imported on the first real call.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from cute_attn import api
+from cute_attn.api import _NO_WINDOW
+from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, AttnFeatures, DtypePolicy, RunArgs
+from cute_attn.validation import (
+    _layout_problem,
+    pointer_unknown,
+    prepare_dout,
+    validate_fwd_inputs,
+    validate_varlen_fwd_inputs,
+)
+
+__all__ = ["mha", "mha_varlen", "fwd", "bwd", "fwd_varlen", "bwd_varlen"]
+
+
+# ----------------------------------------------------------------------------------------
+# (AttnFeatures, RunArgs) <-> the ops' primitive arguments
+# ----------------------------------------------------------------------------------------
+
+
+def _pack(features: AttnFeatures, run_args: RunArgs):
+    """The (mask, softmax_scale, softcap, window_left, window_right) of a call."""
+    left, right = run_args.window
+    return features.mask, run_args.softmax_scale, run_args.softcap, left, right
+
+
+# (mask, softcap on, varlen) -> AttnFeatures: one object per specialisation, the plain
+# ones the shared DENSE / CAUSAL (what _features_and_args returns for them)
+_features = {(DENSE.mask, False, False): DENSE, (CAUSAL.mask, False, False): CAUSAL}
+
+
+def _unpack(mask, softmax_scale, softcap, window_left, window_right, varlen=None):
+    """_pack's inverse: the (AttnFeatures, RunArgs) that _features_and_args built.
+    varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) or None."""
+    key = (mask, softcap > 0, varlen is not None)
+    features = _features.get(key)
+    if features is None:  # AttnFeatures rejects an unknown mask
+        features = _features[key] = AttnFeatures(mask=mask, softcap=key[1], varlen=key[2])
+    window = (window_left, window_right)
+    if varlen is None:
+        return features, RunArgs(softmax_scale, softcap, window)
+    cu_q, cu_k, max_q, max_k = varlen
+    return features, RunArgs(softmax_scale, softcap, window, cu_q, cu_k, max_q, max_k)
+
+
+def _check_pointers(*named):
+    """The alignment check that validation skips while tracing (validation.pointer_unknown),
+    on the real tensors a real implementation receives: one OR of the addresses (the
+    alignment is a power of two), and the detailed message only on failure."""
+    policy = _policy(named[1].dtype)
+    address_bits = 0
+    for t in named[1::2]:
+        address_bits |= t.data_ptr()
+    if address_bits % policy.align_bytes:
+        for name, t in zip(named[::2], named[1::2]):
+            if t.data_ptr() % policy.align_bytes:
+                raise ValueError(_layout_problem(name, t, policy))
+
+
+def _policy(dtype):
+    # a stand-in launcher's dtype (float32 in the CPU tests) gets the default policy, as
+    # in validation.prepare_dout
+    return DTYPE_OF_INPUT.get(dtype) or DtypePolicy("", dtype, dtype, dtype)
+
+
+def _aligned_dout(dout, align_like):
+    """dout packed into a fresh copy when its address is off (the rest of prepare_dout's
+    rule ran before the op, perhaps on a fake tensor): it is autograd's, not the user's."""
+    if dout.data_ptr() % _policy(align_like.dtype).align_bytes:
+        return dout.clone(memory_format=torch.contiguous_format)
+    return dout
+
+
+# ----------------------------------------------------------------------------------------
+# The ops
+# ----------------------------------------------------------------------------------------
+
+
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, mask: str, softmax_scale: float, softcap: float,
+        window_left: int, window_right: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of validated dense inputs; see the module docstring."""
+    _check_pointers("q", q, "k", k, "v", v)
+    features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right)
+    return api._launcher().run_fwd(q, k, v, features, run_args)
+
+
+def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: str,
+        softmax_scale: float, softcap: float, window_left: int, window_right: int,
+        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of fwd's (out, lse); dout as validation.prepare_dout leaves it."""
+    _check_pointers("q", q, "k", k, "v", v, "out", out)
+    features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right)
+    return api._launcher().run_bwd(_aligned_dout(dout, q), q, k, v, out, lse, features, run_args,
+                                   deterministic=deterministic)
+
+
+def _fwd_varlen_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, mask: str, softmax_scale: float,
+               softcap: float, window_left: int, window_right: int,
+               deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a validated packed batch; lse is (heads, total_q)."""
+    _check_pointers("q", q, "k", k, "v", v)
+    features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right,
+                                 (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return api._launcher().run_fwd(q, k, v, features, run_args)
+
+
+def _bwd_varlen_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+               mask: str, softmax_scale: float, softcap: float, window_left: int,
+               window_right: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of fwd_varlen's (out, lse)."""
+    _check_pointers("q", q, "k", k, "v", v, "out", out)
+    features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right,
+                                 (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return api._launcher().run_bwd(_aligned_dout(dout, q), q, k, v, out, lse, features, run_args,
+                                   deterministic=deterministic)
+
+
+# The ops run their real implementations on CUDA tensors only (the CPU tests register
+# the same functions for the CPU, with a stand-in launcher)
+fwd = torch.library.custom_op("cute_attn::fwd", _fwd_impl, mutates_args=(), device_types="cuda")
+bwd = torch.library.custom_op("cute_attn::bwd", _bwd_impl, mutates_args=(), device_types="cuda")
+fwd_varlen = torch.library.custom_op("cute_attn::fwd_varlen", _fwd_varlen_impl, mutates_args=(),
+                                     device_types="cuda")
+bwd_varlen = torch.library.custom_op("cute_attn::bwd_varlen", _bwd_varlen_impl, mutates_args=(),
+                                     device_types="cuda")
+
+
+# ----------------------------------------------------------------------------------------
+# Fake implementations: launcher.run_fwd / run_bwd's allocations, nothing read
+# ----------------------------------------------------------------------------------------
+
+
+def _fake_out(q):
+    # run_fwd: empty_like keeps q's stride order; the dtype is the policy's output
+    policy = DTYPE_OF_INPUT.get(q.dtype)
+    return torch.empty_like(q, dtype=policy.output if policy is not None else q.dtype)
+
+
+@fwd.register_fake
+def _(q, k, v, mask, softmax_scale, softcap, window_left, window_right, deterministic):
+    batch, seqlen_q, heads, _ = q.shape
+    return _fake_out(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+@fwd_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale,
+      softcap, window_left, window_right, deterministic):
+    total_q, heads, _ = q.shape
+    return _fake_out(q), q.new_empty((heads, total_q), dtype=torch.float32)
+
+
+def _fake_grads(dout, q, k, v, *rest):
+    # run_bwd: dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+bwd.register_fake(_fake_grads)
+bwd_varlen.register_fake(_fake_grads)
+
+
+# ----------------------------------------------------------------------------------------
+# Autograd: the forwards save q, k, v, out, lse (and the offsets) and call the backwards
+# ----------------------------------------------------------------------------------------
+
+_DENSE_TENSORS = 3  # q, k, v; then the six primitive arguments
+_VARLEN_TENSORS = 5  # q, k, v, cu_seqlens_q, cu_seqlens_k; then max_seqlen_q/k and the six
+
+
+def _setup_fwd(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.params = inputs[_DENSE_TENSORS:]
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_fwd(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = bwd(prepare_dout(dout, out), q, k, v, out, lse, *ctx.params)
+    return (dq, dk, dv) + (None,) * len(ctx.params)
+
+
+def _setup_fwd_varlen(ctx, inputs, output):
+    q, k, v, cu_q, cu_k = inputs[:_VARLEN_TENSORS]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.params = inputs[_VARLEN_TENSORS:]
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_fwd_varlen(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = bwd_varlen(prepare_dout(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.params)
+    return (dq, dk, dv, None, None) + (None,) * len(ctx.params)
+
+
+fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
+fwd_varlen.register_autograd(_backward_fwd_varlen, setup_context=_setup_fwd_varlen)
+
+
+# ----------------------------------------------------------------------------------------
+# Entry points: api.mha / api.mha_varlen's checks and arguments, then the op
+# ----------------------------------------------------------------------------------------
+
+
+def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+        softmax_scale: Optional[float] = None, window_size: tuple[int, int] = _NO_WINDOW,
+        softcap: float = 0.0, return_lse: bool = False, deterministic: bool = False):
+    """cute_attn.mha (same arguments, checks, results and errors) through cute_attn::fwd:
+    traceable by torch.compile (fullgraph, dynamic shapes) and runnable on fake tensors.
+    Empty calls stay outside the op (api's no-kernel path)."""
+    causal, return_lse, deterministic = api._checked_flags(causal, return_lse, deterministic)
+    window, softcap = api._window_and_softcap(window_size, softcap)
+    no_kernel = validate_fwd_inputs(q, k, v, softmax_scale, softcap)
+    scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
+    features, run_args = api._features_and_args(causal, window, softcap, scale)
+    if no_kernel:
+        return api._run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
+    out, lse = fwd(q, k, v, *_pack(features, run_args), deterministic)
+    return (out, lse) if return_lse else out
+
+
+def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+               window_size: tuple[int, int] = _NO_WINDOW, softmax_scale: Optional[float] = None,
+               softcap: float = 0.0, return_lse: bool = False, deterministic: bool = False,
+               check_cu_seqlens: Optional[bool] = None):
+    """cute_attn.mha_varlen through cute_attn::fwd_varlen. Offsets have no values while
+    traced (torch.compile) or fake, so check_cu_seqlens=None skips their check there, as
+    under CUDA graph capture, and True is a ValueError."""
+    causal, return_lse, deterministic = api._checked_flags(causal, return_lse, deterministic)
+    window, softcap = api._window_and_softcap(window_size, softcap)
+    if check_cu_seqlens is not False and _no_values(cu_seqlens_q, cu_seqlens_k):
+        if check_cu_seqlens:
+            raise ValueError(
+                "check_cu_seqlens=True reads cu_seqlens on the host, which traced (torch.compile) "
+                "or fake tensors cannot do; check them outside and pass check_cu_seqlens=False "
+                "(or None)"
+            )
+        check_cu_seqlens = False
+    validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, check_cu_seqlens, softcap=softcap)
+    scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
+    total_q, total_k = q.shape[0], k.shape[0]
+    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
+    features, run_args = api._features_and_args(
+        causal, window, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    )
+    if total_q == 0 or total_k == 0 or q.shape[1] == 0:
+        return api._run(q, k, v, features, run_args, deterministic, return_lse, True)
+    out, lse = fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, run_args.max_seqlen_q,
+                          run_args.max_seqlen_k, *_pack(features, run_args), deterministic)
+    return (out, lse) if return_lse else out
+
+
+def _default_scale(q):
+    # int(): the head dim is one of the capability table's (validation guarded it), so a
+    # traced call gets a Python float, never a symbolic one
+    return int(q.shape[-1]) ** -0.5  # api's expression, to the last bit
+
+
+def _no_values(*tensors):
+    return any(pointer_unknown(t) for t in tensors)
