@@ -11,3 +11,17 @@ def ref_kwargs(features, args):
     window = (left, right) if features.mask == "local" else (-1, -1)
     return dict(causal=features.mask == "causal", softmax_scale=args.softmax_scale,
                 window_size=window, softcap=args.softcap)
+
+
+def reference_grads(q, k, v, dout, kwargs):
+    """(dq, dk, dv) of attention_ref(q, k, v, **kwargs) for dout, computed in fp32 and
+    returned in q's dtype: what a stand-in's run_bwd returns."""
+    import torch
+
+    from cute_attn.reference import attention_ref
+
+    with torch.enable_grad():
+        q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
+        o, _ = attention_ref(q2, k2, v2, **kwargs)
+        grads = torch.autograd.grad(o, (q2, k2, v2), dout.float())
+    return tuple(g.to(q.dtype) for g in grads)

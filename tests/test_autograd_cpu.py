@@ -7,7 +7,7 @@ import torch
 
 import cute_attn
 import cute_attn.api as api
-from cpu_standin import ref_kwargs
+from cpu_standin import ref_kwargs, reference_grads
 from cute_attn.reference import attention_ref
 from cute_attn.validation import prepare_dout
 
@@ -26,11 +26,7 @@ class FakeLauncher:
         self.bwd_calls.append(dict(dout=dout, out=out, lse=lse, causal=kwargs["causal"],
                                    softmax_scale=args.softmax_scale, deterministic=deterministic,
                                    kwargs=kwargs))
-        with torch.enable_grad():
-            q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
-            o, _ = attention_ref(q2, k2, v2, **kwargs)
-            grads = torch.autograd.grad(o, (q2, k2, v2), dout.float())
-        return tuple(g.to(q.dtype) for g in grads)
+        return reference_grads(q, k, v, dout, kwargs)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import cute_attn
 import cute_attn.api as api
 from cute_attn.config import UNBOUNDED
-from cpu_standin import ref_kwargs
+from cpu_standin import ref_kwargs, reference_grads
 from cute_attn.reference import attention_ref, attention_ref_varlen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,11 +55,7 @@ class StandInLauncher:
     def run_bwd(self, dout, q, k, v, out, lse, features, args, deterministic=False, config=None):
         kwargs = ref_kwargs(features, args)
         self.bwd_calls.append(dict(kwargs=kwargs, deterministic=deterministic))
-        with torch.enable_grad():
-            q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
-            o, _ = attention_ref(q2, k2, v2, **kwargs)
-            grads = torch.autograd.grad(o, (q2, k2, v2), dout.float())
-        return tuple(g.to(q.dtype) for g in grads)
+        return reference_grads(q, k, v, dout, kwargs)
 
 
 @pytest.fixture
