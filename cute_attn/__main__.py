@@ -1,8 +1,10 @@
-"""Command line: `python -m cute_attn ptx ...` (see cute_attn.ptx)."""
+"""Command line: `python -m cute_attn ptx ...` (see cute_attn.ptx) and
+`python -m cute_attn warmup ...` (see cute_attn.warmup)."""
 
 import argparse
 import sys
 
+from cute_attn import warmup
 from cute_attn.config import CAPABILITIES, DTYPES, MASK_KINDS, AttnFeatures
 
 
@@ -21,7 +23,22 @@ def main(argv=None) -> int:
     p.add_argument("--varlen", action="store_true", help="the packed variable-length one")
     p.add_argument("--out", help="write the PTX here instead of stdout")
     p.add_argument("--sass", action="store_true", help="also print SASS (needs cuobjdump)")
+    w = sub.add_parser("warmup", help="compile the common specialisations into the on-disk cache")
+    w.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), default=list(warmup.DEFAULT_DTYPES))
+    w.add_argument("--headdim", nargs="+", type=int, choices=CAPABILITIES["fwd"].head_dims,
+                   default=list(warmup.DEFAULT_HEAD_DIMS))
+    w.add_argument("--mask", nargs="+", choices=MASK_KINDS, default=list(warmup.DEFAULT_MASKS))
+    w.add_argument("--softcap", action="store_true", help="the softcap specialisations instead")
+    w.add_argument("--no-varlen", action="store_true", help="skip the packed variable-length ones")
+    w.add_argument("--no-bwd", action="store_true", help="forward kernels only (inference)")
+    w.add_argument("--gqa-pack", nargs="*", type=int, default=[],
+                   help="GQA group sizes whose packed forward (short query sequences) to build too")
+    w.add_argument("--jobs", type=int, default=0, help="parallel compile processes (0: one per CPU, <= 8)")
+    w.add_argument("--list", action="store_true", help="print the plan, build nothing")
     args = parser.parse_args(argv)
+
+    if args.command == "warmup":
+        return _warmup(args)
 
     from cute_attn import ptx
 
@@ -47,6 +64,18 @@ def main(argv=None) -> int:
             print(f"WARNING: {name}: setmaxnreg was ignored by ptxas (C7508)", file=sys.stderr)
         if args.sass:
             print(ptx.sass(art.cubin))
+    return 0
+
+
+def _warmup(args) -> int:
+    jobs = warmup.plan(args.dtype, args.headdim, args.mask, softcap=args.softcap,
+                       varlen=(False,) if args.no_varlen else (False, True), backward=not args.no_bwd,
+                       gqa_packs=args.gqa_pack)
+    if args.list:
+        for job in jobs:
+            print(job.family, job.key)
+        return 0
+    warmup.run(jobs, workers=args.jobs)
     return 0
 
 

@@ -9,6 +9,8 @@ from torch import Tensor
 
 from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, UNBOUNDED, AttnFeatures, RunArgs
 from cute_attn.validation import (
+    _is_compiling,
+    pointer_unknown,
     prepare_dout,
     validate_flags,
     validate_fwd_inputs,
@@ -89,7 +91,7 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
     no_kernel = validate_fwd_inputs(q, k, v, softmax_scale, softcap)
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[3] ** -0.5
+    scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
     features, run_args = _features_and_args(causal, window, softcap, scale)
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
@@ -150,9 +152,18 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     """
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
+    if check_cu_seqlens is not False and _without_values(cu_seqlens_q, cu_seqlens_k):
+        # traced (torch.compile) or fake offsets have no values to read
+        if check_cu_seqlens:
+            raise ValueError(
+                "check_cu_seqlens=True reads cu_seqlens on the host, which traced (torch.compile) "
+                "or fake tensors cannot do; check them outside and pass check_cu_seqlens=False "
+                "(or None)"
+            )
+        check_cu_seqlens = False
     validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale, check_cu_seqlens, softcap=softcap)
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
     # the grid never needs more than the total tokens (and they fit an Int32 on any GPU)
     total_q, total_k = q.shape[0], k.shape[0]
     max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
@@ -214,14 +225,37 @@ def _features_and_args(causal, window, softcap, scale, varlen=None):
     return features, RunArgs(scale, softcap, window, cu_q, cu_k, int(max_q), int(max_k))
 
 
+def _without_values(*tensors):
+    # (non-tensors are left to validation, which names them)
+    return any(isinstance(t, torch.Tensor) and pointer_unknown(t) for t in tensors)
+
+
+def _default_scale(q):
+    # int(): the head dim is one of the capability table's (validation checked it), so a
+    # call traced with dynamic shapes still gets a Python float, not a symbolic one
+    return int(q.shape[-1]) ** -0.5
+
+
+def _traced(q):
+    """True while torch.compile traces the call (dynamo, or AOT autograd's fake tensors)
+    or under FakeTensorMode: the kernels then run through the custom ops of
+    cute_attn.ops, which those tracers understand. Eager calls launch directly: an op's
+    dispatch adds host time to every call (perf/NOTES.md, host path)."""
+    return _is_compiling() or (type(q) is not torch.Tensor and pointer_unknown(q))
+
+
 def _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel=False):
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if not no_kernel and _traced(q):
+        from cute_attn import ops
+
+        out, lse = ops.attention(q, k, v, features, run_args, deterministic)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         settings = _AttentionSettings(features, run_args, deterministic, no_kernel)
         out, lse = _AttentionFunction.apply(q, k, v, settings)
     elif no_kernel:
         out, lse = _outputs_without_kernel(q, features)
     else:
-        out, lse = _launcher().run_fwd(q, k, v, features, run_args)
+        out, lse = _launcher().run_fwd(q, k, v, features, run_args, need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

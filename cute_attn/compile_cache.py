@@ -1,4 +1,4 @@
-"""A persistent, on-disk cache of compiled kernels (prototype; issue 11).
+"""A persistent, on-disk cache of compiled kernels (launcher.get_fwd_kernel / get_bwd_kernels).
 
 One entry per compile key, a folder under cache_dir():
 
@@ -246,9 +246,11 @@ def _try_load(folder: Path, key: Any, load_fn: Callable, name: str, skip: Option
 
 
 def _compile(key: Any, compile_fn: Callable):
+    # compile_fn logs each kernel it compiles at INFO (launcher._compile); this line only
+    # adds the total for a key of several kernels (the backward's three)
     start = time.perf_counter()
     compiled = compile_fn(key)
-    log.info("cute_attn: compiled %r in %.2f s", key, time.perf_counter() - start)
+    log.debug("cute_attn: compiled %r in %.2f s", key, time.perf_counter() - start)
     return compiled
 
 

@@ -187,15 +187,25 @@ def _raw(compiled):
     return (raw() if raw is not None else None) or compiled
 
 
+def _from_disk_or_compiled(compile_fn, direct_fn):
+    """compile_fn's result through the on-disk cache (compile_cache): loaded when a
+    previous process exported it, else compiled, exported and loaded back."""
+    from cute_attn import compile_cache
+
+    return lambda key: compile_cache.load_or_compile(
+        key, compile_fn, compile_cache.dsl_export, compile_cache.dsl_load, direct_fn
+    )
+
+
 def get_fwd_kernel(key: FwdKey):
-    return _cached(key, lambda k: _raw(compile_fwd(k)))
+    return _cached(key, _from_disk_or_compiled(compile_fwd, _raw))
 
 
 def _default_fwd_kernel(q, k, features: AttnFeatures):
     head_dim = q.shape[-1]
     # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
     group = q.shape[-2] // k.shape[-2]
-    pack = pack_gqa_for(head_dim, features, q.shape[1], group) if group > 1 else 1
+    pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
     fn = _default_kernels.get((q.dtype, head_dim, features, pack))
     if fn is None:
         key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, fwd_config_for(head_dim, features, pack))
@@ -222,29 +232,71 @@ def run_fwd(
     features: AttnFeatures,
     args: RunArgs,
     config: Optional[FwdConfig] = None,
+    need_lse: bool = True,
 ):
     """Launch the forward on validated inputs; returns (out, lse). out has q's dtype and
     dimension order (empty_like keeps a transposed view's strides); lse is float32
     (batch, heads, seqlen_q), or (heads, total_q) for varlen. config=None takes the
-    default (config.fwd_config_for)."""
+    default (config.fwd_config_for). need_lse=False: the caller discards lse (an
+    inference call without return_lse), so the kernel writes it into a shared sink
+    instead of a fresh tensor (_lse_sink), and None is returned in its place."""
     if config is None:
         fn = _default_fwd_kernel(q, k, features)
     else:
         if config.num_splits != 1:
             raise NotImplementedError("split-KV needs the combine kernel (issue 12); num_splits must be 1")
         fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
-    out = torch.empty_like(q, dtype=DTYPE_OF_INPUT[q.dtype].output)
+    output = DTYPE_OF_INPUT[q.dtype].output
+    # empty_like without a dtype argument when it is q's: the cheaper call (~0.5 us)
+    out = torch.empty_like(q) if output is q.dtype else torch.empty_like(q, dtype=output)
+    device = q.device
     if features.varlen:
         total_q, heads, _ = q.shape
-        lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+        shape = (heads, total_q)
     else:
         batch, seqlen_q, heads, _ = q.shape
-        lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    q4, k4, v4, out4, lse3 = _batched(features, q, k, v, out, lse)
-    cu_q, cu_k = _cu_seqlens(features, args, q.device)
-    fn(q4, k4, v4, out4, lse3, cu_q, cu_k, args.max_seqlen_q, args.softmax_scale,
-       args.softcap, args.window[0], args.window[1])
-    return out, lse
+        shape = (batch, heads, seqlen_q)
+    lse = torch.empty(shape, dtype=torch.float32, device=device) if need_lse else _lse_sink(device, shape)
+    window_left, window_right = args.window
+    if features.varlen:
+        fn(q[None], k[None], v[None], out[None], lse[None], args.cu_seqlens_q, args.cu_seqlens_k,
+           args.max_seqlen_q, args.softmax_scale, args.softcap, window_left, window_right)
+    else:
+        unused = _unused_cu_seqlens(device)
+        fn(q, k, v, out, lse, unused, unused, args.max_seqlen_q, args.softmax_scale, args.softcap,
+           window_left, window_right)
+    return out, (lse if need_lse else None)
+
+
+# device -> the float32 sinks allocated so far (the last is the largest); (device, shape)
+# -> a view of the largest, reused so that a call pays a dict lookup, not a view
+_lse_sinks: dict = {}
+_lse_sink_views: dict = {}
+
+
+def _lse_sink(device, shape):
+    """A float32 tensor of this shape for an LSE nobody reads. An allocation costs ~4-7 us
+    of host time per call (perf/NOTES.md, host path), so calls that discard lse share one
+    buffer per device: the kernels only write it, so calls that overlap on different
+    streams race on bytes nobody reads. A larger shape gets a new buffer; the older ones
+    are kept, never freed, because a kernel on another stream may still be writing them
+    (freed memory could be handed to a live tensor). So the sinks of a device hold less
+    than twice the largest LSE of any call that discarded it."""
+    view = _lse_sink_views.get((device, shape))
+    if view is not None:
+        return view
+    numel = shape[0] * shape[1] * (shape[2] if len(shape) == 3 else 1)
+    sinks = _lse_sinks.setdefault(device, [])
+    if not sinks or sinks[-1].numel() < numel:
+        if torch.cuda.is_current_stream_capturing():
+            # a capture allocates from the graph's private pool: not a buffer to keep
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        size = max(numel, 2 * sinks[-1].numel()) if sinks else max(numel, 1 << 16)
+        sinks.append(torch.empty(size, dtype=torch.float32, device=device))
+    if len(_lse_sink_views) > 4096:  # many shapes (varied prefill lengths): start over
+        _lse_sink_views.clear()
+    view = _lse_sink_views[(device, shape)] = sinks[-1][:numel].view(shape)
+    return view
 
 
 _unused_cu_seqlens_per_device: dict = {}
@@ -323,7 +375,7 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
 
 
 def get_bwd_kernels(key: BwdKey):
-    return _cached(key, lambda k: tuple(_raw(f) for f in compile_bwd(k)))
+    return _cached(key, _from_disk_or_compiled(compile_bwd, lambda fns: tuple(_raw(f) for f in fns)))
 
 
 def run_bwd(

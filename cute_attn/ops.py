@@ -23,28 +23,21 @@ validate first. Validation runs on fake tensors too (no data_ptr read there:
 validation.pointer_unknown); the pointers' alignment is then checked by the real
 implementations, which see real tensors.
 
-`cute_attn.mha` does not route through these ops yet: a custom op's dispatch adds host
-time per call, to be measured on the GPU first. Importing this module registers the ops
-and imports no DSL; the launcher is imported on the first real call.
+`cute_attn.mha` and `mha_varlen` go through these ops while torch.compile traces them or
+on fake tensors (api._traced); eager calls launch directly, because an op's dispatch adds
+host time to every call (perf/NOTES.md). Importing this module registers the ops and
+imports no DSL; the launcher is imported on the first real call.
 """
-
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from cute_attn import api
-from cute_attn.api import _NO_WINDOW
 from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, AttnFeatures, DtypePolicy, RunArgs
-from cute_attn.validation import (
-    _layout_problem,
-    pointer_unknown,
-    prepare_dout,
-    validate_fwd_inputs,
-    validate_varlen_fwd_inputs,
-)
+from cute_attn import validation
+from cute_attn.validation import _layout_problem, prepare_dout
 
-__all__ = ["mha", "mha_varlen", "fwd", "bwd", "fwd_varlen", "bwd_varlen"]
+__all__ = ["attention", "fwd", "bwd", "fwd_varlen", "bwd_varlen"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -78,10 +71,14 @@ def _unpack(mask, softmax_scale, softcap, window_left, window_right, varlen=None
 
 
 def _check_pointers(*named):
-    """The alignment check that validation skips while tracing (validation.pointer_unknown),
-    on the real tensors a real implementation receives: one OR of the addresses (the
-    alignment is a power of two), and the detailed message only on failure."""
-    policy = _policy(named[1].dtype)
+    """The checks that validation skips while tracing (validation.pointer_unknown), on the
+    real tensors a real implementation receives: the GPU's compute capability, and the
+    alignment by one OR of the addresses (the alignment is a power of two); the detailed
+    message only on failure."""
+    q = named[1]
+    if q.is_cuda and validation._device_capability(q.device) != (9, 0):
+        validation._check_devices(dict(zip(named[::2], named[1::2])))
+    policy = _policy(q.dtype)
     address_bits = 0
     for t in named[1::2]:
         address_bits |= t.data_ptr()
@@ -235,65 +232,16 @@ fwd_varlen.register_autograd(_backward_fwd_varlen, setup_context=_setup_fwd_varl
 
 
 # ----------------------------------------------------------------------------------------
-# Entry points: api.mha / api.mha_varlen's checks and arguments, then the op
+# The call api._run makes while traced
 # ----------------------------------------------------------------------------------------
 
 
-def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-        softmax_scale: Optional[float] = None, window_size: tuple[int, int] = _NO_WINDOW,
-        softcap: float = 0.0, return_lse: bool = False, deterministic: bool = False):
-    """cute_attn.mha (same arguments, checks, results and errors) through cute_attn::fwd:
-    traceable by torch.compile (fullgraph, dynamic shapes) and runnable on fake tensors.
-    Empty calls stay outside the op (api's no-kernel path)."""
-    causal, return_lse, deterministic = api._checked_flags(causal, return_lse, deterministic)
-    window, softcap = api._window_and_softcap(window_size, softcap)
-    no_kernel = validate_fwd_inputs(q, k, v, softmax_scale, softcap)
-    scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
-    features, run_args = api._features_and_args(causal, window, softcap, scale)
-    if no_kernel:
-        return api._run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
-    out, lse = fwd(q, k, v, *_pack(features, run_args), deterministic)
-    return (out, lse) if return_lse else out
-
-
-def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-               max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
-               window_size: tuple[int, int] = _NO_WINDOW, softmax_scale: Optional[float] = None,
-               softcap: float = 0.0, return_lse: bool = False, deterministic: bool = False,
-               check_cu_seqlens: Optional[bool] = None):
-    """cute_attn.mha_varlen through cute_attn::fwd_varlen. Offsets have no values while
-    traced (torch.compile) or fake, so check_cu_seqlens=None skips their check there, as
-    under CUDA graph capture, and True is a ValueError."""
-    causal, return_lse, deterministic = api._checked_flags(causal, return_lse, deterministic)
-    window, softcap = api._window_and_softcap(window_size, softcap)
-    if check_cu_seqlens is not False and _no_values(cu_seqlens_q, cu_seqlens_k):
-        if check_cu_seqlens:
-            raise ValueError(
-                "check_cu_seqlens=True reads cu_seqlens on the host, which traced (torch.compile) "
-                "or fake tensors cannot do; check them outside and pass check_cu_seqlens=False "
-                "(or None)"
-            )
-        check_cu_seqlens = False
-    validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale, check_cu_seqlens, softcap=softcap)
-    scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
-    total_q, total_k = q.shape[0], k.shape[0]
-    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
-    features, run_args = api._features_and_args(
-        causal, window, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    )
-    if total_q == 0 or total_k == 0 or q.shape[1] == 0:
-        return api._run(q, k, v, features, run_args, deterministic, return_lse, True)
-    out, lse = fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, run_args.max_seqlen_q,
-                          run_args.max_seqlen_k, *_pack(features, run_args), deterministic)
-    return (out, lse) if return_lse else out
-
-
-def _default_scale(q):
-    # int(): the head dim is one of the capability table's (validation guarded it), so a
-    # traced call gets a Python float, never a symbolic one
-    return int(q.shape[-1]) ** -0.5  # api's expression, to the last bit
-
-
-def _no_values(*tensors):
-    return any(pointer_unknown(t) for t in tensors)
+def attention(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_args: RunArgs,
+              deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a validated call through cute_attn::fwd or cute_attn::fwd_varlen,
+    differentiable through their registered autograd."""
+    params = (*_pack(features, run_args), deterministic)
+    if features.varlen:
+        return fwd_varlen(q, k, v, run_args.cu_seqlens_q, run_args.cu_seqlens_k, run_args.max_seqlen_q,
+                          run_args.max_seqlen_k, *params)
+    return fwd(q, k, v, *params)

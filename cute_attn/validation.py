@@ -97,8 +97,8 @@ _is_compiling = torch.compiler.is_compiling
 
 def _plainly_valid(q, k, v, softmax_scale):
     """The common case in as few attribute reads as possible (this runs on every call;
-    measured ~8 us for the detailed checks on an H200 host). False means "look closer",
-    never "invalid": the detailed checks below then find and name the problem."""
+    perf/NOTES.md has the host-time breakdown). False means "look closer", never
+    "invalid": the detailed checks below then find and name the problem."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return False
     qs, ks = q.shape, k.shape
@@ -111,25 +111,35 @@ def _plainly_valid(q, k, v, softmax_scale):
     b, sq, h, d = qs
     if ks[0] != b or ks[2] < 1 or h % ks[2] or ks[3] != d or d not in fwd.head_dims or sq < 1 or ks[1] < 1 or b < 1 or h < 1:
         return False
-    elems, align = policy.align_elems, policy.align_bytes
-    # torch.compile traces q, k, v as plain Tensors without an address (a data_ptr read
-    # there breaks the graph), so the pointers are checked only outside tracing; the
-    # traced call checks them in its op's real implementation (cute_attn.ops). The one
-    # unavoidable extra on this path: a call that costs ~50 ns on a CPU, and that dynamo
-    # folds to a constant. A FakeTensor never gets here (the type check above).
-    pointers = not _is_compiling()
-    for t in (q, k, v):
-        s0, s1, s2, s3 = t.stride()
-        # a zero stride (an expanded dim) goes to the detailed checks, which reject it
-        # unless the dim has size 1
-        if s3 != 1 or s0 % elems or s1 % elems or s2 % elems or not (s0 and s1 and s2) or (pointers and t.data_ptr() % align):
+    # TMA: last dim contiguous, the other strides multiples of align_elems (a power of two,
+    # so one test of their OR) and nonzero (an expanded dim goes to the detailed checks,
+    # which reject it unless the dim has size 1)
+    elems = policy.align_elems
+    qt, kt, vt = q.stride(), k.stride(), v.stride()
+    if qt[3] != 1 or kt[3] != 1 or vt[3] != 1:
+        return False
+    if not (qt[0] and qt[1] and qt[2] and kt[0] and kt[1] and kt[2] and vt[0] and vt[1] and vt[2]):
+        return False
+    if _is_compiling():
+        # traced: strides are symbolic (a bitwise OR of them would pin their values), and
+        # q, k, v have no address (a data_ptr read breaks the graph): the pointers are
+        # checked by the op's real implementation (cute_attn.ops). Dynamo folds
+        # _is_compiling() to a constant.
+        if any(s % elems for s in (qt[0], qt[1], qt[2], kt[0], kt[1], kt[2], vt[0], vt[1], vt[2])):
             return False
+    elif ((qt[0] | qt[1] | qt[2] | kt[0] | kt[1] | kt[2] | vt[0] | vt[1] | vt[2]) % elems
+          or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % policy.align_bytes):
+        return False
     if softmax_scale is not None and not (type(softmax_scale) is float and FOLD_MIN <= softmax_scale <= FOLD_MAX):
         return False
-    device = q.device
-    if device.type != "cuda" or k.device != device or v.device != device:
+    if not q.is_cuda:
         return False
-    return _device_capability(device) == (9, 0)
+    device = q.device
+    if k.device != device or v.device != device:
+        return False
+    # traced: the capability cache is Python state that dynamo would guard on (a first call
+    # that fills it would then recompile); the op's real implementation checks it instead
+    return _is_compiling() or _device_capability(device) == (9, 0)
 
 
 def validate_fwd_inputs(q, k, v, softmax_scale, softcap=0.0):
@@ -343,6 +353,8 @@ def _check_devices(tensors):
                 "q, k and v must be on the same device"
             )
 
+    if _is_compiling():  # checked by the op's real implementation (see _plainly_valid)
+        return
     cap = tuple(_device_capability(q.device))
     if cap != (9, 0):
         raise ValueError(

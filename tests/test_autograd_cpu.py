@@ -16,7 +16,7 @@ class FakeLauncher:
     def __init__(self):
         self.bwd_calls = []
 
-    def run_fwd(self, q, k, v, features, args, config=None):
+    def run_fwd(self, q, k, v, features, args, config=None, need_lse=True):
         kwargs = ref_kwargs(features, args)
         out, lse = attention_ref(q, k, v, **kwargs)
         return out.to(q.dtype), lse

@@ -39,7 +39,7 @@ class StandInLauncher:
     def __init__(self):
         self.fwd_calls, self.bwd_calls = [], []
 
-    def run_fwd(self, q, k, v, features, args, config=None):
+    def run_fwd(self, q, k, v, features, args, config=None, need_lse=True):
         kwargs = ref_kwargs(features, args)
         self.fwd_calls.append(dict(q=q, k=k, v=v, features=features, args=args, kwargs=kwargs))
         if features.varlen:

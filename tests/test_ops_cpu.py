@@ -42,7 +42,7 @@ class StandInLauncher:
             return attention_ref_varlen(q, k, v, args.cu_seqlens_q, args.cu_seqlens_k, **kwargs)
         return attention_ref(q, k, v, **kwargs)
 
-    def run_fwd(self, q, k, v, features, args, config=None):
+    def run_fwd(self, q, k, v, features, args, config=None, need_lse=True):
         self.fwd_calls.append(dict(features=features, args=args))
         o, l = self._attention(q, k, v, features, args)
         out = torch.empty_like(q)  # q's stride order, as launcher.run_fwd
@@ -268,7 +268,7 @@ def test_fake_cuda_forward_and_backward_ops(fake_sm90, no_data_ptr, kwargs, dtyp
         q = _fake_bhsd_as_bshd(2, 300, 8, 128, dtype, "cuda")  # GQA 8 / 2
         k = _fake_bhsd_as_bshd(2, 500, 2, 128, dtype, "cuda")
         v = torch.empty(2, 500, 2, 128, dtype=dtype, device="cuda")
-        out, lse = ops.mha(q, k, v, return_lse=True, **kwargs)
+        out, lse = api.mha(q, k, v, return_lse=True, **kwargs)
         assert (out.shape, out.stride(), out.dtype, out.device) == (q.shape, q.stride(), dtype, q.device)
         assert (lse.shape, lse.dtype, lse.device, lse.is_contiguous()) == ((2, 8, 300), torch.float32, q.device, True)
         # what the autograd formula does: an expanded dout (after .sum()) packed, then bwd
@@ -281,14 +281,14 @@ def test_fake_cuda_forward_and_backward_ops(fake_sm90, no_data_ptr, kwargs, dtyp
 
 @pytest.mark.parametrize("kwargs", FEATURE_CASES)
 def test_fake_autograd(monkeypatch, no_data_ptr, kwargs):
-    """ops.mha's autograd formula on fake tensors: setup_context, prepare_dout, bwd's fake."""
+    """mha's autograd formula through the ops on fake tensors: setup_context, prepare_dout, bwd's fake."""
     monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
     monkeypatch.setattr(api, "_launcher_module", _Trap())
     with FakeTensorMode():
         q = _fake_bhsd_as_bshd(2, 300, 8, 128, torch.bfloat16, "cpu", requires_grad=True)
         k = _fake_bhsd_as_bshd(2, 500, 2, 128, torch.bfloat16, "cpu", requires_grad=True)
         v = torch.empty(2, 500, 2, 128, dtype=torch.bfloat16, requires_grad=True)
-        out, lse = ops.mha(q, k, v, return_lse=True, deterministic=True, **kwargs)
+        out, lse = api.mha(q, k, v, return_lse=True, deterministic=True, **kwargs)
         assert out.requires_grad and not lse.requires_grad
         assert (out.shape, out.stride()) == (q.shape, q.stride())
         out.sum().backward()  # an expanded dout, packed by prepare_dout on a fake tensor
@@ -302,13 +302,13 @@ def test_fake_varlen(fake_sm90, no_data_ptr):
         k, v = (torch.empty(900, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         cu_q, cu_k = (torch.empty(4, dtype=torch.int32, device="cuda") for _ in range(2))
         # check_cu_seqlens=None would read the offsets: skipped on fake tensors
-        out, lse = ops.mha_varlen(q, k, v, cu_q, cu_k, 400, 500, causal=True, return_lse=True)
+        out, lse = api.mha_varlen(q, k, v, cu_q, cu_k, 400, 500, causal=True, return_lse=True)
         assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (8, 700), torch.float32)
         six = _six(dict(causal=True), varlen=(cu_q, cu_k, 400, 500))
         grads = torch.ops.cute_attn.bwd_varlen(torch.empty_like(out), q, k, v, out, lse, cu_q, cu_k, 400, 500, *six)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
         with pytest.raises(ValueError, match="check_cu_seqlens=True reads cu_seqlens"):
-            ops.mha_varlen(q, k, v, cu_q, cu_k, 400, 500, check_cu_seqlens=True)
+            api.mha_varlen(q, k, v, cu_q, cu_k, 400, 500, check_cu_seqlens=True)
 
 
 def test_fake_varlen_autograd(monkeypatch, no_data_ptr):
@@ -318,7 +318,7 @@ def test_fake_varlen_autograd(monkeypatch, no_data_ptr):
         q = torch.empty(700, 8, 64, dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.empty(900, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         cu_q, cu_k = (torch.empty(4, dtype=torch.int32) for _ in range(2))
-        out = ops.mha_varlen(q, k, v, cu_q, cu_k, 400, 500, window_size=(30, 0), softcap=5.0)
+        out = api.mha_varlen(q, k, v, cu_q, cu_k, 400, 500, window_size=(30, 0), softcap=5.0)
         out.sum().backward()
         assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
 
@@ -328,14 +328,14 @@ def test_fake_tensors_still_get_every_other_check(fake_sm90, no_data_ptr):
         q = torch.empty(2, 64, 4, 64, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(2, 64, 3, 64, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match="k nheads must divide q nheads"):
-            ops.mha(q, k, k)
+            api.mha(q, k, k)
         with pytest.raises(ValueError, match="q strides must be multiples of 8"):
             # (views of fake CUDA tensors need a CUDA build; empty_strided does not)
             bad = torch.empty_strided((2, 64, 4, 64), (64 * 4 * 66, 4 * 66, 66, 1),
                                       dtype=torch.bfloat16, device="cuda")
-            ops.mha(bad, q, q)
+            api.mha(bad, q, q)
         with pytest.raises(TypeError, match="q must be torch.float16 or torch.bfloat16"):
-            ops.mha(q.float(), q, q)
+            api.mha(q.float(), q, q)
 
 
 def test_pointer_check_is_skipped_for_fake_tensors_only(monkeypatch):
@@ -403,15 +403,15 @@ def _block_inputs(seqlen, dim=128, seed=0):
 
 
 def test_compile_fullgraph_dynamic_no_recompile(stand_in):
-    """A transformer block through ops.mha under torch.compile(fullgraph=True,
+    """A transformer block through cute_attn.mha under torch.compile(fullgraph=True,
     dynamic=True): validation and the entry point trace without a graph break (fullgraph
     would raise), the graph calls cute_attn::fwd and its backward cute_attn::bwd, and
     sequence lengths 80 and 96 reuse the graph compiled for 64. Results and gradients
-    equal eager ops.mha's (the same CPU stand-in behind both)."""
+    equal eager mha's (the direct path, the same CPU stand-in behind both)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     backend = CountingBackend()
-    compiled = torch.compile(lambda x, w1, w2: _block(x, w1, w2, 2, ops.mha),
+    compiled = torch.compile(lambda x, w1, w2: _block(x, w1, w2, 2, api.mha),
                              backend=backend, fullgraph=True, dynamic=True)
     try:
         for seqlen in (64, 80, 96):
@@ -422,7 +422,7 @@ def test_compile_fullgraph_dynamic_no_recompile(stand_in):
             grads = [t.grad for t in (x, w_qkv, w_out)]
             # eager, through the same ops and stand-in
             x2, w_qkv2, w_out2 = (t.detach().clone().requires_grad_() for t in (x, w_qkv, w_out))
-            y2 = _block(x2, w_qkv2, w_out2, 2, ops.mha)
+            y2 = _block(x2, w_qkv2, w_out2, 2, api.mha)
             y2.backward(dy)
             torch.testing.assert_close(y, y2)
             for g, g2 in zip(grads, (x2.grad, w_qkv2.grad, w_out2.grad)):
@@ -445,7 +445,7 @@ def test_compile_varlen_fullgraph(stand_in):
     backend = CountingBackend()
 
     def attend(q, k, v, cu, max_seqlen):
-        return ops.mha_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True)
+        return api.mha_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True)
 
     compiled = torch.compile(attend, backend=backend, fullgraph=True, dynamic=True)
     try:
@@ -467,8 +467,36 @@ def test_compile_varlen_fullgraph(stand_in):
 
 
 # ----------------------------------------------------------------------------------------
-# Eager: ops.mha is cute_attn.mha through the ops
+# Eager: the op path (what a traced call takes) equals the direct path of cute_attn.mha
 # ----------------------------------------------------------------------------------------
+
+
+def _forced_through_ops(fn):
+    """fn (api.mha / api.mha_varlen) with api._traced forced true: an eager call then
+    takes the custom ops, as a traced one does."""
+
+    def call(*args, **kwargs):
+        saved = api._traced
+        api._traced = lambda q: True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            api._traced = saved
+
+    return call
+
+
+ops_mha, ops_mha_varlen = _forced_through_ops(api.mha), _forced_through_ops(api.mha_varlen)
+
+
+def test_eager_calls_launch_directly_traced_ones_through_the_op(stand_in, monkeypatch):
+    q, k, v = (_bshd(1, 9, 2, seed=i) for i in range(3))
+    calls = []
+    monkeypatch.setattr(ops, "attention", lambda *a: calls.append(a) or (torch.empty_like(q), None))
+    api.mha(q, k, v)
+    assert calls == [] and len(stand_in.fwd_calls) == 1
+    ops_mha(q, k, v)
+    assert len(calls) == 1 and len(stand_in.fwd_calls) == 1
 
 
 @pytest.mark.parametrize("kwargs", FEATURE_CASES + [dict(softmax_scale=0.3, deterministic=True)])
@@ -477,7 +505,7 @@ def test_ops_mha_matches_api_mha(stand_in, kwargs):
     gradients as cute_attn.mha with the same stand-in behind both."""
     inputs = [(_bshd(2, s, h, seed=i, requires_grad=True)) for i, (s, h) in enumerate(((9, 4), (11, 2), (11, 2)))]
     twins = [t.detach().clone().requires_grad_() for t in inputs]
-    out, lse = ops.mha(*inputs, return_lse=True, **kwargs)
+    out, lse = ops_mha(*inputs, return_lse=True, **kwargs)
     out2, lse2 = api.mha(*twins, return_lse=True, **kwargs)
     dout = torch.randn_like(out)
     out.backward(dout)
@@ -491,7 +519,7 @@ def test_ops_mha_matches_api_mha(stand_in, kwargs):
     assert bwd_a["features"] == bwd_b["features"] and bwd_a["args"] == bwd_b["args"]
     assert bwd_a["deterministic"] is bwd_b["deterministic"] is kwargs.get("deterministic", False)
     # the expanded dout of .sum() is packed before the kernel, as api's
-    ops.mha(*inputs).sum().backward()
+    ops_mha(*inputs).sum().backward()
     assert stand_in.bwd_calls[-1]["dout_stride"] == (9 * 4 * 64, 4 * 64, 64, 1)
 
 
@@ -500,21 +528,21 @@ def test_ops_mha_varlen_matches_api(stand_in):
     cu_k = torch.tensor([0, 4, 9, 12], dtype=torch.int32)
     q = _bshd(1, 10, 4, seed=0)[0].requires_grad_()
     k, v = (_bshd(1, 12, 2, seed=i)[0].requires_grad_() for i in (1, 2))
-    out, lse = ops.mha_varlen(q, k, v, cu_q, cu_k, 7, 5, window_size=(2, 1), return_lse=True)
+    out, lse = ops_mha_varlen(q, k, v, cu_q, cu_k, 7, 5, window_size=(2, 1), return_lse=True)
     ref, ref_lse = attention_ref_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, window_size=(2, 1))
     torch.testing.assert_close(out, ref.to(out.dtype))
     torch.testing.assert_close(lse, ref_lse)
     args = stand_in.fwd_calls[0]["args"]
     assert (args.max_seqlen_q, args.max_seqlen_k, args.window) == (7, 5, (2, 1))
     with pytest.raises(ValueError, match="cu_seqlens_q must end at q's total tokens"):
-        ops.mha_varlen(q, k, v, torch.tensor([0, 3, 3, 9], dtype=torch.int32), cu_k, 7, 5)
+        ops_mha_varlen(q, k, v, torch.tensor([0, 3, 3, 9], dtype=torch.int32), cu_k, 7, 5)
 
 
 def test_empty_calls_stay_outside_the_op(stand_in, monkeypatch):
     monkeypatch.setattr(api, "_launcher_module", _Trap())
     q = _bshd(2, 9, 4, requires_grad=True)
     k, v = (_bshd(2, 0, 2, seed=i, requires_grad=True) for i in (1, 2))
-    out, lse = ops.mha(q, k, v, return_lse=True)
+    out, lse = ops_mha(q, k, v, return_lse=True)
     assert torch.equal(out, torch.zeros_like(q)) and torch.equal(lse, torch.full((2, 4, 9), float("-inf")))
     out.sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q))

@@ -314,7 +314,7 @@ def test_mha_raises_before_launcher(monkeypatch, case):
 def test_mha_calls_launcher(monkeypatch, causal, scale):
     calls = []
 
-    def run_fwd(q, k, v, features, args, config=None):
+    def run_fwd(q, k, v, features, args, config=None, need_lse=True):
         calls.append((features.mask == "causal", args.softmax_scale))
         return "out", "lse"
 
@@ -733,7 +733,7 @@ def test_window_side_just_below_unbounded_stays_a_window():
 
 def test_mha_with_huge_window_runs_the_causal_kernel(monkeypatch):
     calls = []
-    _trap_launcher(monkeypatch, lambda q, k, v, features, args, config=None: calls.append(features) or ("o", "l"))
+    _trap_launcher(monkeypatch, lambda q, k, v, features, args, config=None, need_lse=True: calls.append(features) or ("o", "l"))
     q, k, v = _sm90(monkeypatch, *_qkv(d=128))
     cute_attn.mha(q, k, v, window_size=(2 ** 40, 0))
     cute_attn.mha(q, k, v, window_size=(2 ** 40, 2 ** 40))
@@ -745,7 +745,7 @@ def test_mha_with_huge_window_runs_the_causal_kernel(monkeypatch):
 @pytest.mark.parametrize("check", [None, False])
 def test_huge_max_seqlen_is_clamped_to_the_total_tokens(monkeypatch, check):
     calls = []
-    _trap_launcher(monkeypatch, lambda q, k, v, features, args, config=None: calls.append(args) or ("o", "l"))
+    _trap_launcher(monkeypatch, lambda q, k, v, features, args, config=None, need_lse=True: calls.append(args) or ("o", "l"))
     q, k, v, cu_q, cu_k = _sm90(monkeypatch, *_varlen())  # totals 8 and 11, longest 5 and 5
     _varlen_call(q, k, v, cu_q, cu_k, 10 ** 12, np.int64(2 ** 40), check_cu_seqlens=check)
     _varlen_call(q, k, v, cu_q, cu_k, 6, 7, check_cu_seqlens=check)

@@ -1,0 +1,92 @@
+"""`python -m cute_attn warmup`: build the common kernel specialisations into the on-disk
+compile cache (cute_attn.compile_cache) ahead of time, so the first `mha` call of a
+training or serving process loads a library (milliseconds) instead of compiling
+(seconds per specialisation).
+
+A specialisation is what launcher.FwdKey / BwdKey name: dtype, head dim, features (mask
+kind, softcap, varlen), the default tile config, and for GQA with short query sequences
+the packed-group variant (config.choose_pack_gqa). Keys are built by the launcher's own
+heuristics (fwd_config_for, bwd_config_for), so warmup builds exactly what a call looks up.
+
+Compiling is CPU work (no GPU needed) and single-threaded per kernel, so keys are built
+in parallel processes; two processes building one key compile it once (the cache's lock).
+The entries are valid only for the same package sources, DSL version, CUDA driver major
+and Python environment (compile_cache.versions): warm up on the machine that runs.
+"""
+
+import itertools
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from cute_attn.config import CAPABILITIES, AttnFeatures, bwd_config_for, fwd_config_for
+
+# What a plain training or inference job calls: bf16, the two most used head dims,
+# no mask and causal, forward and backward, dense and varlen.
+DEFAULT_DTYPES = ("bf16",)
+DEFAULT_HEAD_DIMS = (64, 128)
+DEFAULT_MASKS = ("none", "causal")
+
+
+@dataclass(frozen=True)
+class Job:
+    family: str  # "fwd" | "bwd"
+    key: object  # launcher.FwdKey | launcher.BwdKey
+
+
+def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
+         masks: Sequence[str] = DEFAULT_MASKS, softcap: bool = False, varlen: Iterable[bool] = (False, True),
+         backward: bool = True, gqa_packs: Sequence[int] = ()) -> list:
+    """The Jobs for every combination; gqa_packs: group sizes whose packed forward (short
+    query sequences, see config.choose_pack_gqa) to build as well."""
+    from cute_attn.launcher import BwdKey, FwdKey
+
+    jobs = []
+    for dtype, d, mask, var in itertools.product(dtypes, head_dims, masks, varlen):
+        features = AttnFeatures(mask=mask, softcap=softcap, varlen=var)
+        if d in CAPABILITIES["fwd"].head_dims:
+            jobs.append(Job("fwd", FwdKey(dtype, d, features, fwd_config_for(d, features))))
+            for pack in gqa_packs if not var else ():
+                jobs.append(Job("fwd", FwdKey(dtype, d, features, fwd_config_for(d, features, pack))))
+        if backward and d in CAPABILITIES["bwd"].head_dims:
+            jobs.append(Job("bwd", BwdKey(dtype, d, features, bwd_config_for(d, features))))
+    return jobs
+
+
+def build(job: Job) -> float:
+    """Load or compile one job's kernels through the disk cache; returns the seconds."""
+    from cute_attn import launcher
+
+    start = time.perf_counter()
+    (launcher.get_fwd_kernel if job.family == "fwd" else launcher.get_bwd_kernels)(job.key)
+    return time.perf_counter() - start
+
+
+def run(jobs: Sequence[Job], workers: int = 0, log=print) -> dict:
+    """Build every job, `workers` processes at a time (0: one per CPU, at most 8: each
+    compile holds ~1-2 GB of memory); returns {job: seconds}."""
+    from cute_attn import compile_cache
+
+    root = compile_cache.cache_dir()
+    if root is None:
+        raise RuntimeError(f"the compile cache is disabled ({compile_cache.ENV_ENABLE}=0): nothing to warm up")
+    workers = workers or min(8, os.cpu_count() or 1, len(jobs)) or 1
+    log(f"warming up {len(jobs)} specialisations into {root} with {workers} processes")
+    seconds = {}
+    start = time.perf_counter()
+    if workers == 1:
+        for job in jobs:
+            seconds[job] = build(job)
+            log(f"  {seconds[job]:6.1f} s  {job.family} {job.key}")
+    else:
+        import multiprocessing
+
+        # spawn: a fresh interpreter per worker (the DSL's state is not fork-safe)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for job, s in zip(jobs, pool.map(build, jobs)):
+                seconds[job] = s
+                log(f"  {s:6.1f} s  {job.family} {job.key}")
+    log(f"done in {time.perf_counter() - start:.1f} s")
+    return seconds

@@ -1,0 +1,279 @@
+"""The PyTorch-ecosystem contract on the GPU: the custom ops (cute_attn.ops) under opcheck,
+torch.compile with inductor (fullgraph, dynamic sequence lengths, no recompile) giving
+the eager results, and CUDA-graph capture and replay of the forward and the backward."""
+
+import pytest
+import torch
+
+import cute_attn
+import cute_attn.api as api
+import cute_attn.ops as ops
+from gpu_helpers import exact_fp32_matmul  # noqa: F401  (autouse)
+
+pytestmark = pytest.mark.gpu
+
+DT = torch.bfloat16
+
+
+def _rand(*shape, seed, scale=1.0, requires_grad=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = torch.randn(*shape, device="cuda", generator=g, dtype=torch.float32) * scale
+    return t.to(DT).requires_grad_(requires_grad)
+
+
+def _qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, d, seed, requires_grad=False):
+    return (_rand(batch, seqlen_q, heads, d, seed=seed, requires_grad=requires_grad),
+            _rand(batch, seqlen_k, heads_kv, d, seed=seed + 1, requires_grad=requires_grad),
+            _rand(batch, seqlen_k, heads_kv, d, seed=seed + 2, requires_grad=requires_grad))
+
+
+def _params(head_dim, causal=False, window=(-1, -1), softcap=0.0, varlen=None, deterministic=False):
+    window, softcap = api._window_and_softcap(window, softcap)
+    features, run_args = api._features_and_args(causal, window, softcap, head_dim ** -0.5, varlen=varlen)
+    return (*ops._pack(features, run_args), deterministic)
+
+
+# ----------------------------------------------------------------------------------------
+# opcheck on every op, with the real kernels
+# ----------------------------------------------------------------------------------------
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+CASES = [dict(), dict(causal=True), dict(window=(37, 5)), dict(causal=True, softcap=4.0)]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=["dense", "causal", "window", "causal-softcap"])
+def test_opcheck_fwd_and_bwd(kw):
+    q, k, v = _qkv(2, 200, 333, 4, 2, 128, seed=1, requires_grad=True)
+    params = _params(128, **kw)
+    torch.library.opcheck(torch.ops.cute_attn.fwd.default, (q, k, v, *params), test_utils=OPCHECK_UTILS)
+    out, lse = torch.ops.cute_attn.fwd(q.detach(), k.detach(), v.detach(), *params)
+    dout = _rand(*out.shape, seed=9)
+    torch.library.opcheck(torch.ops.cute_attn.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, *params),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_opcheck_varlen():
+    lengths_q, lengths_k = [77, 0, 130], [50, 201, 129]
+    cu_q = torch.tensor([0, 77, 77, 207], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 50, 251, 380], dtype=torch.int32, device="cuda")
+    q = _rand(sum(lengths_q), 4, 64, seed=3, requires_grad=True)
+    k = _rand(sum(lengths_k), 2, 64, seed=4, requires_grad=True)
+    v = _rand(sum(lengths_k), 2, 64, seed=5, requires_grad=True)
+    varlen = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    params = _params(64, causal=True, varlen=varlen)
+    args = (q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), *params)
+    torch.library.opcheck(torch.ops.cute_attn.fwd_varlen.default, args, test_utils=OPCHECK_UTILS)
+    out, lse = torch.ops.cute_attn.fwd_varlen(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+    dout = _rand(*out.shape, seed=6)
+    torch.library.opcheck(
+        torch.ops.cute_attn.bwd_varlen.default,
+        (dout, q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, max(lengths_q), max(lengths_k), *params),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+# ----------------------------------------------------------------------------------------
+# torch.compile (inductor): fullgraph, dynamic sequence lengths, eager results
+# ----------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """Counts dynamo's compiles (frame, compile id) of the inductor backend."""
+
+    def __init__(self):
+        self.compile_ids = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        cid = torch._guards.CompileContext.current_compile_id()
+        self.compile_ids.append((cid.frame_id, cid.frame_compile_id))
+        return compile_fx(gm, example_inputs)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_attention_equals_eager_bitwise(fresh_dynamo):
+    """mha (causal, GQA) traced with fullgraph=True and dynamic shapes: the compiled
+    forward and backward run the same kernels on the same inputs as eager, so out, lse
+    and the gradients are bit-identical (deterministic: dq's accumulation order is fixed);
+    three sequence lengths, one compile."""
+    recorder = _Recorder()
+
+    def attend(q, k, v):
+        out, lse = cute_attn.mha(q, k, v, causal=True, return_lse=True, deterministic=True)
+        return out * 1.0, lse
+
+    compiled = torch.compile(attend, backend=recorder, fullgraph=True, dynamic=True)
+    for i, seqlen in enumerate((300, 517, 1024)):
+        q, k, v = _qkv(2, seqlen, seqlen, 8, 2, 128, seed=10 * i, requires_grad=True)
+        twins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = compiled(q, k, v)
+        out2, lse2 = attend(*twins)
+        dout = _rand(*out.shape, seed=99 + i)
+        out.backward(dout)
+        out2.backward(dout)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        for t, t2 in zip((q, k, v), twins):
+            assert torch.equal(t.grad, t2.grad)
+        # and it is attention: against the fp32 reference
+        ref, _ = cute_attn.reference.attention_ref(q.detach(), k.detach(), v.detach(), causal=True)
+        assert (out.float() - ref).abs().max() < 2e-2
+    assert set(recorder.compile_ids) == {(0, 0)}, recorder.compile_ids
+
+
+def _block(x, w_qkv, w_out, heads):
+    b, s, dim = x.shape
+    q, k, v = (x @ w_qkv).view(b, s, 3, heads, dim // heads).unbind(2)
+    o = cute_attn.mha(q, k, v, causal=True)
+    return x + torch.nn.functional.gelu(o.reshape(b, s, dim) @ w_out)
+
+
+def test_compiled_transformer_block_fullgraph_no_recompile(fresh_dynamo):
+    """A block (projections, attention, gelu, residual) under inductor: no graph break
+    (fullgraph), one compile for four sequence lengths, and results within bf16 rounding
+    of eager (inductor fuses the pointwise ops differently, the attention is the same)."""
+    recorder = _Recorder()
+    compiled = torch.compile(_block, backend=recorder, fullgraph=True, dynamic=True)
+    dim, heads = 512, 4
+    for i, seqlen in enumerate((256, 300, 777, 1500)):
+        x = _rand(2, seqlen, dim, seed=i, scale=0.5, requires_grad=True)
+        w_qkv = _rand(dim, 3 * dim, seed=100 + i, scale=dim ** -0.5, requires_grad=True)
+        w_out = _rand(dim, dim, seed=200 + i, scale=dim ** -0.5, requires_grad=True)
+        twins = [t.detach().clone().requires_grad_() for t in (x, w_qkv, w_out)]
+        y = compiled(x, w_qkv, w_out, heads)
+        y2 = _block(*twins, heads)
+        dy = _rand(*y.shape, seed=300 + i)
+        y.backward(dy)
+        y2.backward(dy)
+        for a, b in [(y, y2)] + [(t.grad, t2.grad) for t, t2 in zip((x, w_qkv, w_out), twins)]:
+            scale = b.float().abs().max().item()
+            assert scale > 0
+            assert (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
+    assert set(recorder.compile_ids) == {(0, 0)}, recorder.compile_ids
+
+
+def test_compiled_varlen_fullgraph(fresh_dynamo):
+    recorder = _Recorder()
+
+    def attend(q, k, v, cu, max_seqlen):
+        return cute_attn.mha_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, window_size=(64, 0),
+                                    deterministic=True)
+
+    compiled = torch.compile(attend, backend=recorder, fullgraph=True, dynamic=True)
+    for i, lengths in enumerate(((100, 7, 300), (1, 500, 64), (250, 250, 3))):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        total = sum(lengths)
+        q, k, v = (_rand(total, 4, 64, seed=10 * i + j, requires_grad=True) for j in range(3))
+        twins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = compiled(q, k, v, cu, max(lengths))
+        out2 = attend(*twins, cu, max(lengths))
+        out.float().square().sum().backward()
+        out2.float().square().sum().backward()
+        assert torch.equal(out, out2)
+        for t, t2 in zip((q, k, v), twins):
+            assert torch.equal(t.grad, t2.grad)
+    assert set(recorder.compile_ids) == {(0, 0)}, recorder.compile_ids
+
+
+# ----------------------------------------------------------------------------------------
+# CUDA graphs: capture once, replay on new values
+# ----------------------------------------------------------------------------------------
+
+
+def _capture(fn):
+    """fn() captured in a CUDA graph after warm-up calls on a side stream (kernels
+    loaded, per-device constants allocated), as torch's docs prescribe."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(100, 20), softcap=5.0)], ids=["causal", "window-softcap"])
+def test_cuda_graph_forward_replays_new_inputs(kw):
+    q, k, v = _qkv(2, 333, 600, 8, 4, 128, seed=1)
+    graph, (out, lse) = _capture(lambda: cute_attn.mha(q, k, v, return_lse=True, **kw))
+    for seed in (5, 6):
+        for t, new in zip((q, k, v), _qkv(2, 333, 600, 8, 4, 128, seed=seed)):
+            t.copy_(new)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        ref_out, ref_lse = cute_attn.mha(q, k, v, return_lse=True, **kw)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_graph_forward_and_backward(deterministic):
+    """One graph holds the forward, the backward (preprocess, main, postprocess) and
+    their workspaces (dq_accum, the semaphores of the deterministic order)."""
+    q, k, v = _qkv(2, 257, 257, 4, 4, 64, seed=2, requires_grad=True)
+    dout = _rand(2, 257, 4, 64, seed=3)
+
+    def step():
+        out = cute_attn.mha(q, k, v, causal=True, deterministic=deterministic)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    graph, grads = _capture(step)
+    for seed in (11, 12):
+        with torch.no_grad():
+            for t, new in zip((q, k, v, dout), _qkv(2, 257, 257, 4, 4, 64, seed=seed) + (_rand(2, 257, 4, 64, seed=seed + 50),)):
+                t.copy_(new)
+        for g in grads:
+            g.fill_(float("nan"))
+        graph.replay()
+        expected = step()
+        for g, e in zip(grads, expected):
+            if deterministic:
+                assert torch.equal(g, e)
+            else:  # dq is accumulated in a run-dependent order
+                torch.testing.assert_close(g, e, atol=2e-3, rtol=1e-2)
+
+
+def test_cuda_graph_varlen_skips_the_offsets_check():
+    """check_cu_seqlens=None is skipped under capture (no host read); new offsets in the
+    same tensor are read by the replay."""
+    total = 400
+    q, k, v = (_rand(total, 4, 64, seed=j) for j in range(3))
+    cu = torch.tensor([0, 100, 250, 400], dtype=torch.int32, device="cuda")
+    graph, out = _capture(lambda: cute_attn.mha_varlen(q, k, v, cu, cu, 400, 400, causal=True))
+    cu.copy_(torch.tensor([0, 10, 390, 400], dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    expected = cute_attn.mha_varlen(q, k, v, cu, cu, 400, 400, causal=True, check_cu_seqlens=False)
+    assert torch.equal(out, expected)
+
+
+# ----------------------------------------------------------------------------------------
+# The LSE sink of calls that discard lse (launcher._lse_sink)
+# ----------------------------------------------------------------------------------------
+
+
+def test_discarded_lse_shares_a_sink_and_out_is_unchanged():
+    """Calls without return_lse write lse into a shared, growing sink: out is the same
+    as with return_lse, whatever the order of shapes (the sink grows, shrinks back to a
+    view), and inside a CUDA graph capture too."""
+    from cute_attn import launcher
+
+    for i, (b, s, h) in enumerate(((1, 64, 2), (2, 3000, 8), (1, 100, 2), (4, 5000, 16), (2, 3000, 8))):
+        q, k, v = _qkv(b, s, s + 7, h, h // 2, 64, seed=40 + i)
+        out = cute_attn.mha(q, k, v, causal=True)
+        expected, lse = cute_attn.mha(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(out, expected) and torch.isfinite(lse).all()
+    assert len(launcher._lse_sinks[q.device]) >= 2
+    q, k, v = _qkv(8, 4000, 4000, 16, 16, 64, seed=50)  # larger than every sink: allocated in the capture
+    graph, out = _capture(lambda: cute_attn.mha(q, k, v))
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, cute_attn.mha(q, k, v, return_lse=True)[0])

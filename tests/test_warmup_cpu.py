@@ -1,0 +1,67 @@
+"""`python -m cute_attn warmup`: the plan names exactly the keys the launcher looks up, and
+a run fills the on-disk cache so that a second run (another process) compiles nothing."""
+
+import subprocess
+import sys
+
+import pytest
+
+from cute_attn import warmup
+from cute_attn.config import AttnFeatures, bwd_config_for, fwd_config_for
+from cute_attn.launcher import BwdKey, FwdKey
+
+
+def test_default_plan_is_the_launchers_keys():
+    jobs = warmup.plan()
+    assert len(jobs) == 16  # 2 head dims x 2 masks x dense/varlen x fwd/bwd
+    for job in jobs:
+        f = job.key.features
+        if job.family == "fwd":
+            assert job.key == FwdKey("bf16", job.key.head_dim, f, fwd_config_for(job.key.head_dim, f))
+        else:
+            assert job.key == BwdKey("bf16", job.key.head_dim, f, bwd_config_for(job.key.head_dim, f))
+    assert {(j.key.head_dim, j.key.features.mask, j.key.features.varlen) for j in jobs} == {
+        (d, m, var) for d in (64, 128) for m in ("none", "causal") for var in (False, True)}
+
+
+def test_plan_options():
+    jobs = warmup.plan(dtypes=("fp16",), head_dims=(256,), masks=("local",), softcap=True, varlen=(False,),
+                       backward=False, gqa_packs=(4, 8))
+    assert [j.family for j in jobs] == ["fwd"] * 3
+    assert [j.key.config.pack_gqa for j in jobs] == [1, 4, 8]
+    assert all(j.key.features == AttnFeatures(mask="local", softcap=True) and j.key.dtype == "fp16" for j in jobs)
+
+
+def test_cli_list_prints_the_plan():
+    result = subprocess.run([sys.executable, "-m", "cute_attn", "warmup", "--list", "--headdim", "64", "--mask", "causal",
+                             "--no-varlen"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("fwd FwdKey(") and lines[1].startswith("bwd BwdKey(")
+
+
+def test_disabled_cache_is_an_error(monkeypatch):
+    monkeypatch.setenv("CUTE_ATTN_CACHE", "0")
+    with pytest.raises(RuntimeError, match="disabled"):
+        warmup.run(warmup.plan(head_dims=(64,), masks=("none",), varlen=(False,), backward=False))
+
+
+def test_warmup_fills_the_cache_and_a_second_process_only_loads(tmp_path):
+    pytest.importorskip("cutlass")
+    import os
+
+    args = ["warmup", "--headdim", "64", "--mask", "none", "--no-varlen", "--no-bwd", "--jobs", "1"]
+    env = dict(os.environ, CUTE_ATTN_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("CUTE_ATTN_CACHE", None)
+    # python -m cute_attn, with the INFO lines of the compiles on stderr
+    logged = "import logging, runpy; logging.basicConfig(level=logging.INFO); runpy.run_module('cute_attn', run_name='__main__')"
+    first = subprocess.run([sys.executable, "-c", logged, *args], env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count("compiled FlashFwdSm90") == 1
+    entries = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert len(entries) == 1 and (entries[0] / "manifest.json").exists()
+    second = subprocess.run([sys.executable, "-c", logged, *args], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert "compiled" not in second.stderr
