@@ -177,10 +177,11 @@ class FwdConfig(_WarpSpecialized):
     # rows (row r = query r // pack_gqa of head r % pack_gqa), so the KV head is read once
     # per group instead of once per query head. 1: off. See choose_pack_gqa.
     pack_gqa: int = 1
-    # Split-KV: num_splits CTAs share one query tile, each walking a slice of its KV
-    # blocks (blocks/block_range.py). The slot for decode (issue 12); the launcher runs 1
-    # until the combine kernel exists.
-    num_splits: int = 1
+    # Split-KV: num_splits CTAs (a run-time count) share one query tile, each walking a
+    # slice of its KV blocks (blocks/block_range.py) and writing its normalised O in fp32
+    # and its LSE to partial buffers that kernels/combine.py merges. For grids too small
+    # for the GPU (decode, short prefill against long caches): launcher.choose_splits.
+    split_kv: bool = False
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -191,8 +192,7 @@ class FwdConfig(_WarpSpecialized):
             raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16, got {self.tile_n}")
-        if self.num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+
 
 
 def fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1) -> FwdConfig:

@@ -11,6 +11,7 @@ Compiling needs no GPU: every compile names its target, sm_90a, to the DSL (`_co
 whatever CUTE_DSL_ARCH says and whenever cutlass was imported (see cute_attn.ptx).
 """
 
+import dataclasses
 import logging
 import threading
 import time
@@ -114,14 +115,29 @@ def _fake_stream():
 def _fake_fwd_args(key: FwdKey):
     """Symbolic stand-ins for the forward's arguments that fix only what the key fixes
     (see _fake_bshd for the strides and alignment). Varlen calls pass (1, total, ...)
-    views of the packed tensors, so batch, seqlen and heads stay symbols either way."""
+    views of the packed tensors, so batch, seqlen and heads stay symbols either way.
+    Split-KV: O and LSE are the fp32 partials, (num_splits * batch, ...) with a batch
+    symbol of their own."""
+    import cutlass
+    import cutlass.cute as cute
+
     n, d = _Symbols(), key.head_dim
-    q, o = (_fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, name) for name in ("q", "o"))
+    q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
     k, v = (_fake_bshd(key.dtype, n.batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
-    lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
+    if key.config.split_kv:
+        parts = cute.sym_int32(symbol="partial_batch")
+        o = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (parts, n.seqlen_q, n.heads, d),
+            stride=(*(cute.sym_int64(divisibility=4, symbol=f"opart_stride{i}") for i in range(3)), 1),
+            assumed_align=16,
+        )
+        lse = _fake_rowwise(parts, n.heads, n.seqlen_q, "lse_part")
+    else:
+        o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o")
+        lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
     return (
         q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"),
-        *_fake_run_args(), _fake_stream(),
+        *_fake_run_args(), cutlass.Int32(1), _fake_stream(),
     )
 
 
@@ -146,7 +162,7 @@ def _compile(kernel, fake_args, extra_options: str, key):
 def compile_fwd(key: FwdKey, extra_options: str = ""):
     """Compile one forward specialisation; returns the TVM-FFI callable
     f(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, softcap,
-    window_left, window_right)."""
+    window_left, window_right, num_splits) (split-KV: out and lse are the partials)."""
     from cute_attn.kernels.fwd_sm90 import FlashFwdSm90
 
     _check_capability("fwd", key)
@@ -165,8 +181,8 @@ def _check_capability(family: str, key):
 
 _cache: dict = {}
 _cache_lock = threading.Lock()
-# (torch dtype, head_dim, features, pack_gqa) -> kernel of the default config: the per-call
-# lookup then hashes four plain values instead of building and hashing config dataclasses
+# (torch dtype, head_dim, features, pack_gqa) -> (kernel, config) of the default config: the
+# per-call lookup then hashes four plain values instead of building and hashing dataclasses
 _default_kernels: dict = {}
 
 
@@ -206,11 +222,12 @@ def _default_fwd_kernel(q, k, features: AttnFeatures):
     # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
     group = q.shape[-2] // k.shape[-2]
     pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
-    fn = _default_kernels.get((q.dtype, head_dim, features, pack))
-    if fn is None:
-        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, fwd_config_for(head_dim, features, pack))
-        fn = _default_kernels.setdefault((q.dtype, head_dim, features, pack), get_fwd_kernel(key))
-    return fn
+    entry = _default_kernels.get((q.dtype, head_dim, features, pack))
+    if entry is None:
+        config = fwd_config_for(head_dim, features, pack)
+        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config)
+        entry = _default_kernels.setdefault((q.dtype, head_dim, features, pack), (get_fwd_kernel(key), config))
+    return entry
 
 
 def _batched(features: AttnFeatures, *tensors):
@@ -233,39 +250,178 @@ def run_fwd(
     args: RunArgs,
     config: Optional[FwdConfig] = None,
     need_lse: bool = True,
+    num_splits: Optional[int] = None,
 ):
     """Launch the forward on validated inputs; returns (out, lse). out has q's dtype and
     dimension order (empty_like keeps a transposed view's strides); lse is float32
     (batch, heads, seqlen_q), or (heads, total_q) for varlen. config=None takes the
     default (config.fwd_config_for). need_lse=False: the caller discards lse (an
     inference call without return_lse), so the kernel writes it into a shared sink
-    instead of a fresh tensor (_lse_sink), and None is returned in its place."""
+    instead of a fresh tensor (_lse_sink), and None is returned in its place.
+
+    num_splits: split-KV CTAs per query tile (1: none); None picks by choose_splits, which
+    splits only grids too small for the GPU. With more than one, the split forward writes
+    fp32 partials and the combine kernel (kernels/combine.py) merges them into out, lse."""
     if config is None:
-        fn = _default_fwd_kernel(q, k, features)
+        fn, config = _default_fwd_kernel(q, k, features)
     else:
-        if config.num_splits != 1:
-            raise NotImplementedError("split-KV needs the combine kernel (issue 12); num_splits must be 1")
+        fn = None
+    if num_splits is None:
+        num_splits = choose_splits(q, k, features, args, config)
+    if num_splits > 1:
+        return _run_fwd_split(q, k, v, features, args, config, num_splits, need_lse)
+    if fn is None:
         fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
     output = DTYPE_OF_INPUT[q.dtype].output
     # empty_like without a dtype argument when it is q's: the cheaper call (~0.5 us)
     out = torch.empty_like(q) if output is q.dtype else torch.empty_like(q, dtype=output)
     device = q.device
-    if features.varlen:
-        total_q, heads, _ = q.shape
-        shape = (heads, total_q)
-    else:
-        batch, seqlen_q, heads, _ = q.shape
-        shape = (batch, heads, seqlen_q)
+    shape = _lse_shape(q, features)
     lse = torch.empty(shape, dtype=torch.float32, device=device) if need_lse else _lse_sink(device, shape)
     window_left, window_right = args.window
     if features.varlen:
         fn(q[None], k[None], v[None], out[None], lse[None], args.cu_seqlens_q, args.cu_seqlens_k,
-           args.max_seqlen_q, args.softmax_scale, args.softcap, window_left, window_right)
+           args.max_seqlen_q, args.softmax_scale, args.softcap, window_left, window_right, 1)
     else:
         unused = _unused_cu_seqlens(device)
         fn(q, k, v, out, lse, unused, unused, args.max_seqlen_q, args.softmax_scale, args.softcap,
-           window_left, window_right)
+           window_left, window_right, 1)
     return out, (lse if need_lse else None)
+
+
+def _lse_shape(q, features: AttnFeatures):
+    if features.varlen:
+        total_q, heads, _ = q.shape
+        return (heads, total_q)
+    batch, seqlen_q, heads, _ = q.shape
+    return (batch, heads, seqlen_q)
+
+
+# ----------------------------------------------------------------------------------------
+# Split-KV: a forward whose grid is too small for the GPU (decode; short queries against
+# long keys) splits each query tile's KV range over several CTAs, then combines
+# ----------------------------------------------------------------------------------------
+
+_sm_counts: dict = {}
+
+
+def _num_sms(device) -> int:
+    n = _sm_counts.get(device)
+    if n is None:
+        n = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig) -> int:
+    """split_heuristic.choose_num_splits for this call: work tiles (query tiles of packed
+    rows x the heads a tile covers x batch) against the GPU's SMs, KV blocks of the
+    longest sequence. A grid of at least 0.8 x SMs tiles (most training calls) returns 1
+    after a few integer operations."""
+    if features.varlen:
+        batch = args.cu_seqlens_q.shape[0] - 1
+        seqlen_q, seqlen_k, heads = args.max_seqlen_q, args.max_seqlen_k, q.shape[1]
+    else:
+        batch, seqlen_q, heads, _ = q.shape
+        seqlen_k = k.shape[1]
+    pack = config.pack_gqa
+    q_tiles = -(-(seqlen_q * pack) // config.tile_m)
+    tiles = q_tiles * (heads // pack) * batch
+    device = q.device
+    sms = _num_sms(device) if device.type == "cuda" else 132
+    if tiles >= 0.8 * sms:
+        return 1
+    from cute_attn import split_heuristic
+
+    return split_heuristic.choose_num_splits(batch, heads // pack, q_tiles, -(-seqlen_k // config.tile_n),
+                                             num_sms=sms)
+
+
+# (torch dtype, head_dim, features, unsplit config) -> (split forward, combine)
+_split_kernels: dict = {}
+
+
+def _split_pair(q, features: AttnFeatures, config: FwdConfig):
+    head_dim = q.shape[-1]
+    pair = _split_kernels.get((q.dtype, head_dim, features, config))
+    if pair is None:
+        name = DTYPE_OF_INPUT[q.dtype].name
+        pair = _split_kernels.setdefault((q.dtype, head_dim, features, config), (
+            get_fwd_kernel(FwdKey(name, head_dim, features, dataclasses.replace(config, split_kv=True))),
+            get_combine_kernel(CombineKey(name, head_dim, features.varlen)),
+        ))
+    return pair
+
+
+def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, config: FwdConfig, num_splits: int,
+                   need_lse: bool):
+    fn, combine = _split_pair(q, features, config)
+    head_dim = q.shape[-1]
+    device = q.device
+    if features.varlen:
+        total_q, heads, _ = q.shape
+        batch, seqlen_q = 1, total_q
+        q4, k4, v4 = q[None], k[None], v[None]
+        cu_q, cu_k = args.cu_seqlens_q, args.cu_seqlens_k
+    else:
+        batch, seqlen_q, heads, _ = q.shape
+        q4, k4, v4 = q, k, v
+        cu_q = cu_k = _unused_cu_seqlens(device)
+    # one allocation for both partials (each allocation is host time on a decode step):
+    # O's (num_splits * batch * seqlen_q * heads * head_dim floats, a multiple of 4, so
+    # the LSEs after it stay 16-byte aligned), then the LSEs
+    parts, rows = num_splits * batch, batch * seqlen_q * heads
+    workspace = torch.empty(num_splits * rows * (head_dim + 1), dtype=torch.float32, device=device)
+    o_part = workspace[: num_splits * rows * head_dim].view(parts, seqlen_q, heads, head_dim)
+    lse_part = workspace[num_splits * rows * head_dim:].view(parts, heads, seqlen_q)
+    window_left, window_right = args.window
+    fn(q4, k4, v4, o_part, lse_part, cu_q, cu_k, args.max_seqlen_q, args.softmax_scale, args.softcap,
+       window_left, window_right, num_splits)
+    output = DTYPE_OF_INPUT[q.dtype].output
+    out = torch.empty_like(q) if output is q.dtype else torch.empty_like(q, dtype=output)
+    shape = _lse_shape(q, features)
+    lse = torch.empty(shape, dtype=torch.float32, device=device) if need_lse else _lse_sink(device, shape)
+    out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
+    combine(o_part.view(num_splits, batch, seqlen_q, heads, head_dim), lse_part.view(num_splits, batch, heads, seqlen_q),
+            out4, lse3, cu_q, args.max_seqlen_q)
+    return out, (lse if need_lse else None)
+
+
+@dataclass(frozen=True)
+class CombineKey:
+    dtype: str  # a config.DTYPES name: the output's
+    head_dim: int
+    varlen: bool
+    arch: str = ARCH
+
+
+def _fake_combine_args(key: CombineKey):
+    import cutlass
+    import cutlass.cute as cute
+
+    n, d = _Symbols(), key.head_dim
+    splits = cute.sym_int32(symbol="splits")
+    o_strides = [cute.sym_int64(divisibility=4, symbol=f"opart_stride{i}") for i in range(4)]
+    o_part = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (splits, n.batch, n.seqlen_q, n.heads, d), stride=(*o_strides, 1), assumed_align=16)
+    l_strides = [cute.sym_int64(symbol=f"lpart_stride{i}") for i in range(3)]
+    lse_part = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (splits, n.batch, n.heads, n.seqlen_q), stride=(*l_strides, 1), assumed_align=4)
+    return (o_part, lse_part, _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o"),
+            _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse"), _fake_cu_seqlens("cu_seqlens_q"),
+            cutlass.Int32(0), _fake_stream())
+
+
+def compile_combine(key: CombineKey, extra_options: str = ""):
+    """Compile the split-KV combine; returns f(o_part, lse_part, out, lse, cu_seqlens_q,
+    max_seqlen_q)."""
+    from cute_attn.kernels.combine import SplitCombine
+
+    kernel = SplitCombine(DTYPES[key.dtype], key.head_dim, AttnFeatures(varlen=key.varlen))
+    return _compile(kernel, _fake_combine_args(key), extra_options, key)
+
+
+def get_combine_kernel(key: CombineKey):
+    return _cached(key, _from_disk_or_compiled(compile_combine, _raw))
 
 
 # device -> the float32 sinks allocated so far (the last is the largest); (device, shape)

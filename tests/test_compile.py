@@ -282,46 +282,38 @@ def test_backward_head_dim_64_takes_128_query_rows_unless_window_or_softcap():
     assert bwd_config_for(128, AttnFeatures()).tile_m == 64
 
 
-# ---- split-KV: the scheduler's split index and BlockRange's clipping (issue 18) ----
+# ---- split-KV: the scheduler's run-time split, BlockRange's clipping, fp32 partials ----
 
 
+@pytest.mark.parametrize("pack", [1, 4])
 @pytest.mark.parametrize("mask", ["none", "causal", "local"])
-def test_split_kv_forward_compiles_and_clips_the_kv_range(mask):
-    """num_splits > 1 has its slot in the forward (the work tile's split, BlockRange's
-    clipping) before the combine kernel exists: it compiles spill-free, and its PTX
-    divides the block index by num_splits and the KV range into per-split slices, which
-    the num_splits = 1 kernel does not."""
+def test_split_kv_forward_compiles_and_writes_fp32_partials(mask, pack):
+    """FwdConfig.split_kv: it compiles spill-free; its PTX divides by the run-time
+    num_splits (the block index, the KV range), writes O as fp32 from registers, while
+    the unsplit kernel stores O by TMA."""
     import dataclasses
 
     from cute_attn import launcher
     from cute_attn.config import fwd_config_for
 
     features = AttnFeatures(mask=mask)
-    base = fwd_config_for(128, features)
+    base = fwd_config_for(128, features, pack)
     split = launcher.compile_fwd(
-        launcher.FwdKey("bf16", 128, features, dataclasses.replace(base, num_splits=3)), "--keep-ptx"
+        launcher.FwdKey("bf16", 128, features, dataclasses.replace(base, split_kv=True)), "--keep-ptx"
     ).__ptx__
     single = launcher.compile_fwd(launcher.FwdKey("bf16", 128, features, base), "--keep-ptx").__ptx__
-    # bid / 3 and bid % 3 become a multiply-high by the magic reciprocal of 3
-    assert "mul.hi" in split and len(split) > len(single)
+    assert len(re.findall(r"\bdiv\.", split)) > len(re.findall(r"\bdiv\.", single))
+    # O: fp32 pairs of adjacent columns from registers (64-bit stores), no TMA store;
+    # the unsplit kernel stores O by TMA (shared -> global) and has no such stores
+    stores = re.compile(r"st\.global\.v2\.(b|f)32")
+    tma_store = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
+    assert len(stores.findall(split)) >= 16 and not tma_store.search(split)
+    assert not stores.search(single) and tma_store.search(single)
+    assert "st.global.b16" not in split
     report = ptx_tool.ptxas_report(split)
     if "ptxas not found" not in report:
         m = re.search(r"(\d+) bytes spill stores", report)
         assert m and int(m.group(1)) == 0, report
-
-
-def test_launcher_refuses_split_kv_until_the_combine_kernel_exists():
-    import dataclasses
-
-    import torch
-
-    from cute_attn import launcher
-    from cute_attn.config import RunArgs, fwd_config_for
-
-    q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
-    cfg = dataclasses.replace(fwd_config_for(128, AttnFeatures()), num_splits=2)
-    with pytest.raises(NotImplementedError, match="num_splits"):
-        launcher.run_fwd(q, q, q, AttnFeatures(), RunArgs(0.1), config=cfg)
 
 
 @pytest.mark.parametrize("varlen", [False, True])

@@ -6,7 +6,7 @@ window (the causal diagonal) or its left edge are masked; the ones between are n
 Backward, the other way round: a KV tile visits the query blocks [m_min, m_max) that see
 one of its keys, masked likewise near both edges.
 
-Split-KV (the forward with num_splits > 1): split s of a query tile walks the s-th of
+Split-KV (the forward with FwdConfig.split_kv): split s of a query tile walks the s-th of
 num_splits equal slices of [n_min, n_max) (the last ones may be short or empty).
 
 Bottom-right alignment throughout: with offset = seqlen_k - seqlen_q, query i sees key j
@@ -23,13 +23,16 @@ from cute_attn.blocks.staged import Staged
 
 
 class BlockRange(Staged):
-    def __init__(self, tile_m: int, tile_n: int, window: Window, pack_gqa: int = 1, num_splits: int = 1):
+    def __init__(self, tile_m: int, tile_n: int, window: Window, pack_gqa: int = 1, split_kv: bool = False,
+                 num_splits=1):
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.window = window
         # forward with packed GQA: a tile's row r is query r // pack_gqa (see FwdConfig)
         self.pack_gqa = pack_gqa
-        # forward split-KV: CTAs per query tile, each taking a slice of its KV blocks
+        # forward split-KV: num_splits (a run-time Int32) CTAs per query tile, each
+        # taking a slice of its KV blocks
+        self.split_kv = split_kv
         self.num_splits = num_splits
 
     def _first_query(self, m_block):
@@ -56,7 +59,7 @@ class BlockRange(Staged):
         if cutlass.const_expr(w.has_left):
             first_key = cutlass.max(self._first_query(m_block) + offset - w.left, 0)
             n_block_min = cutlass.min(first_key // self.tile_n, n_block_max)
-        if cutlass.const_expr(self.num_splits > 1):
+        if cutlass.const_expr(self.split_kv):
             per_split = cute.ceil_div(n_block_max - n_block_min, self.num_splits)
             n_block_min = n_block_min + split * per_split
             n_block_max = cutlass.min(n_block_min + per_split, n_block_max)

@@ -54,18 +54,22 @@ class SeqlenInfo(Staged):
             self.batch = batch
             self.padded_m_block_offset = Int32(0)
 
-    def rows_q(self, mX: cute.Tensor, head):
+    def rows_q(self, mX: cute.Tensor, head, batch=None):
         """(seqlen, head_dim, heads, batch) tensor -> this sequence's (seqlen_q, head_dim)
-        rows of one head (a TMA coordinate tensor or a plain one)."""
-        return self._rows(mX[None, None, head, self.batch], self.offset_q)
+        rows of one head (a TMA coordinate tensor or a plain one). batch: another index
+        of the batch mode than this entry's (the split-KV partials stack the splits
+        there)."""
+        b = self.batch if batch is None else batch
+        return self._rows(mX[None, None, head, b], self.offset_q)
 
     def rows_k(self, mX: cute.Tensor, head):
         return self._rows(mX[None, None, head, self.batch], self.offset_k)
 
-    def stats_q(self, mX: cute.Tensor, head):
+    def stats_q(self, mX: cute.Tensor, head, batch=None):
         """(seqlen, heads, batch) per-row tensor (the forward's LSE) -> this sequence's
-        seqlen_q entries of one head."""
-        return self._rows(mX[None, head, self.batch], self.offset_q)
+        seqlen_q entries of one head (batch: as in rows_q)."""
+        b = self.batch if batch is None else batch
+        return self._rows(mX[None, head, b], self.offset_q)
 
     def _rows(self, t: cute.Tensor, offset):
         if cutlass.const_expr(not self.varlen):

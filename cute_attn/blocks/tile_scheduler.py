@@ -34,31 +34,42 @@ class WorkTile(NamedTuple):
 
 
 class TileScheduler:
-    def __init__(self, tile_size: int, varlen: bool, num_splits: int = 1, longest_first: bool = False):
+    """num_splits: a static count (the backward's head_dim slices), or with
+    runtime_splits the count is a run-time value passed to grid() and tile() (the
+    forward's split-KV, whose count the launcher picks per call without recompiling)."""
+
+    def __init__(self, tile_size: int, varlen: bool, num_splits: int = 1, longest_first: bool = False,
+                 runtime_splits: bool = False):
         self.tile_size = tile_size  # rows (or keys) per block
         self.varlen = varlen
         self.num_splits = num_splits
         self.longest_first = longest_first
+        self.runtime_splits = runtime_splits
 
-    def grid(self, mX: cute.Tensor, cu_seqlens: cute.Tensor, max_seqlen):
+    def grid(self, mX: cute.Tensor, cu_seqlens: cute.Tensor, max_seqlen, num_splits=None):
         """Launch grid over the tensor whose rows the blocks tile, in the kernel-side view
         (seqlen, head_dim, heads, batch) (blocks/views.py). Dense: seqlen and batch from
         its shape. Varlen: the blocks of the longest sequence (max_seqlen) for each of the
-        len(cu_seqlens) - 1 sequences."""
+        len(cu_seqlens) - 1 sequences. num_splits: the run-time count (runtime_splits)."""
         if cutlass.const_expr(self.varlen):
             num_blocks = cute.ceil_div(max_seqlen, self.tile_size)
             batch = cute.size(cu_seqlens.shape[0]) - 1
         else:
             num_blocks = cute.ceil_div(cute.size(mX.shape[0]), self.tile_size)
             batch = cute.size(mX.shape[3])
-        return (num_blocks * self.num_splits, cute.size(mX.shape[2]), batch)
+        splits = num_splits if cutlass.const_expr(self.runtime_splits) else self.num_splits
+        return (num_blocks * splits, cute.size(mX.shape[2]), batch)
 
     @cute.jit
-    def tile(self) -> WorkTile:
+    def tile(self, num_splits=None) -> WorkTile:
         bid, head, batch = cute.arch.block_idx()
         num_blocks = cute.arch.grid_dim()[0]
         block, split = bid, Int32(0)
-        if cutlass.const_expr(self.num_splits > 1):
+        if cutlass.const_expr(self.runtime_splits):
+            # split-major within a block's CTAs: the splits of one query tile run side by side
+            block, split = bid // num_splits, bid % num_splits
+            num_blocks = num_blocks // num_splits
+        elif cutlass.const_expr(self.num_splits > 1):
             block, split = bid // self.num_splits, bid % self.num_splits
             num_blocks = num_blocks // self.num_splits
         if cutlass.const_expr(self.longest_first):

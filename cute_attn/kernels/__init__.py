@@ -12,8 +12,8 @@ imports another: what two kernels share lives in cute_attn/blocks/.
   bwd_prepost  BwdPreprocess (D = rowsum(dO * O), LSE * log2(e), padded to whole tiles)
                and BwdPostprocess (dQ from the fp32 accumulator), one query tile per CTA.
   combine      SplitCombine: merges split-KV partials (fp32 O and LSE per split) by LSE
-               into O and LSE (reference: cute_attn.reference.combine_splits). Compiled
-               and CPU-tested; the split forward that feeds it is not built yet.
+               into O and LSE (reference: cute_attn.reference.combine_splits), after the
+               forward with FwdConfig.split_kv.
 
 Adding a family (split-KV decode and its LSE combine, an FP8 forward, mask/score mods):
 put it in a new module here, with a config dataclass and a `*_config_for` heuristic in
@@ -35,8 +35,8 @@ and a compile/run pair in launcher.py. Build it from the blocks, not beside them
   dQ accumulator contract   blocks/dq_accum
   register budgets, dtypes  config.REGISTER_BUDGETS, config.DtypePolicy
 
-A decode kernel is the forward with num_splits > 1 (the work tile's split and
-BlockRange's clipping exist; FwdConfig.num_splits) writing partial O and LSE, plus a
-combine kernel that merges them by LSE; an FP8 forward is the forward under a new
-DtypePolicy (V transposed for the K-major PV operand).
+Split-KV (decode, small grids) is the forward with FwdConfig.split_kv (a run-time
+num_splits: the work tile's split, BlockRange's clipping) writing fp32 partial O and LSE,
+plus combine.py merging them by LSE (launcher._run_fwd_split). An FP8 forward is the
+forward under a new DtypePolicy (V transposed for the K-major PV operand).
 """

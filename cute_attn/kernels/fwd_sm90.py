@@ -43,9 +43,12 @@ Features (config.AttnFeatures, one specialisation each; their values are run-tim
     sequence's end exit at once, and O leaves row by row instead of by TMA so that a
     partial tile never writes into the next sequence.
 
-Split-KV (config.FwdConfig.num_splits > 1; compiled, not launched until the combine
-kernel exists): the scheduler's work tile carries a split index and blocks/block_range.py
-clips the tile's KV range to that split's slice.
+Split-KV (config.FwdConfig.split_kv; num_splits a run-time argument): num_splits CTAs
+share a query tile, the work tile carries the split index and blocks/block_range.py clips
+the tile's KV range to that split's slice. Each split writes its O (normalised within the
+split) in fp32 and its LSE straight from registers into partial buffers whose batch mode
+stacks the splits (index split * batch + b); kernels/combine.py merges them. A split that
+sees no key writes O = 0, LSE = -inf (weight 0 in the combine).
 
 Constraints: config.CAPABILITIES["fwd"] (head dims 64-256; fp16 or bf16 in, fp32
 accumulation: config.DtypePolicy).
@@ -86,8 +89,9 @@ class FwdGlobals(NamedTuple):
     q: TmaTensor
     k: TmaTensor
     v: TmaTensor
-    o: TmaTensor  # the TMA store of dense tiles
-    o_rows: cute.Tensor  # O as a plain tensor: varlen tiles leave row by row
+    o: TmaTensor  # the TMA store of dense tiles (split-KV: unused, a stand-in)
+    o_rows: cute.Tensor  # O as a plain tensor: varlen tiles leave row by row; split-KV: the
+    # fp32 partials (seqlen_q, head_dim, heads, num_splits * batch)
     lse: cute.Tensor  # (seqlen_q, heads, batch) float32
     cu_seqlens_q: cute.Tensor  # (batch + 1,) int32; varlen only (else unread)
     cu_seqlens_k: cute.Tensor
@@ -145,11 +149,11 @@ class FlashFwdSm90:
         self.num_mma_threads = 128 * self.num_mma_wg
         self.producer_regs, self.mma_regs = config.registers
         self.pack_gqa = config.pack_gqa
-        self.num_splits = config.num_splits
+        self.split_kv = config.split_kv
         assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
         # causal-like masks: the last query blocks see the most keys, so they go first
         self.scheduler = TileScheduler(
-            self.tile_m, features.varlen, config.num_splits, longest_first=features.causal_like
+            self.tile_m, features.varlen, longest_first=features.causal_like, runtime_splits=config.split_kv
         )
 
     @cute.jit
@@ -158,8 +162,9 @@ class FlashFwdSm90:
         mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim); varlen: (1, total_q, ...)
         mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
         mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
-        mO: cute.Tensor,  # like mQ
-        mLSE: cute.Tensor,  # (batch, heads, seqlen_q), float32; varlen: (1, heads, total_q)
+        mO: cute.Tensor,  # like mQ; split-KV: fp32 (num_splits * batch, seqlen_q, heads, head_dim)
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q), float32; varlen: (1, heads, total_q);
+        # split-KV: (num_splits * batch, heads, seqlen_q)
         mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32; varlen only (else unread)
         mCuSeqlensK: cute.Tensor,
         max_seqlen_q: Int32,  # varlen: the longest query sequence (sizes the grid)
@@ -167,6 +172,7 @@ class FlashFwdSm90:
         softcap: Float32,  # with features.softcap
         window_left: Int32,  # with mask "local": config.UNBOUNDED for an open side
         window_right: Int32,
+        num_splits: Int32,  # split-KV: CTAs per query tile (else unread; the launcher passes 1)
         stream,
     ):
         mQ, mK, mV, mO = [bshd_as_sdhb(t) for t in (mQ, mK, mV, mO)]
@@ -190,12 +196,12 @@ class FlashFwdSm90:
         )
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         kv_stage = cute.select(sK_layout, mode=[0, 1])
+        q_tma = make_tma_tensor(load_op, mQ, layouts.sQ, (self.tile_m, d))
         g = FwdGlobals(
-            q=make_tma_tensor(load_op, mQ, layouts.sQ, (self.tile_m, d)),
+            q=q_tma,
             k=make_tma_tensor(load_op, mK, kv_stage, (self.tile_n, d)),
             v=make_tma_tensor(load_op, mV, cute.select(layouts.sV, mode=[0, 1]), (self.tile_n, d)),
-            # O leaves through shared memory laid out like Q (it reuses Q's buffer)
-            o=make_tma_tensor(cpasync.CopyBulkTensorTileS2GOp(), mO, layouts.sQ, (self.tile_m, d)),
+            o=self._o_store(mO, layouts.sQ, q_tma),
             o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, layouts.sQ)
@@ -213,17 +219,26 @@ class FlashFwdSm90:
         self.shared_storage = SharedStorage
 
         score = fold_score_scale(softmax_scale, softcap, self.features.softcap)
-        self.kernel(g, layouts, score, window_left, window_right).launch(
-            grid=self.scheduler.grid(mQ, mCuSeqlensQ, max_seqlen_q),
+        self.kernel(g, layouts, score, window_left, window_right, num_splits).launch(
+            grid=self.scheduler.grid(mQ, mCuSeqlensQ, max_seqlen_q, num_splits),
             block=[self.num_threads, 1, 1],
             stream=stream,
             # a register cap at entry is what lets ptxas honour setmaxnreg (else C7508)
             min_blocks_per_mp=1,
         )
 
+    def _o_store(self, mO: cute.Tensor, sQ_layout, q_tma: TmaTensor) -> TmaTensor:
+        """O's TMA store: through shared memory laid out like Q (it reuses Q's buffer).
+        The split-KV partials leave from registers instead, and Q's descriptor stands in
+        (plain Python: runs while tracing)."""
+        if self.split_kv:
+            return q_tma
+        return make_tma_tensor(cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim))
+
     @cute.kernel
     def kernel(
-        self, g: FwdGlobals, layouts: FwdLayouts, score: ScoreScale, window_left: Int32, window_right: Int32
+        self, g: FwdGlobals, layouts: FwdLayouts, score: ScoreScale, window_left: Int32, window_right: Int32,
+        num_splits: Int32,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -244,7 +259,7 @@ class FlashFwdSm90:
             v=storage.sV.get_tensor(layouts.sV.outer, swizzle=layouts.sV.inner),
         )
 
-        tile = self.scheduler.tile()
+        tile = self.scheduler.tile(num_splits)
         mQ, mK = g.q.tensor, g.k.tensor
         # packed GQA: the row mode is (group, seqlen_q); the sequence is its second part
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack_gqa > 1) else mQ.shape[0]
@@ -252,7 +267,7 @@ class FlashFwdSm90:
             tile.batch, seqlen_q, mK.shape[0], g.cu_seqlens_q, g.cu_seqlens_k, self.features.varlen
         )
         window = Window(self.features.mask, window_left, window_right)
-        block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa, self.num_splits)
+        block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa, self.split_kv, num_splits)
         pipeline_init_wait()
 
         # varlen: the grid covers the longest sequence; a tile past this one's end has no
@@ -401,7 +416,10 @@ class FlashFwdSm90:
 
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         softmax.finalize(acc_O, lse)
-        self.epilogue(acc_O, lse, g, smem.q, tiled_mma_pv, tidx, tile, seqlen)
+        if cutlass.const_expr(self.split_kv):
+            self.store_partials(acc_O, lse, g, tiled_mma_pv, tidx, tile, seqlen)
+        else:
+            self.epilogue(acc_O, lse, g, smem.q, tiled_mma_pv, tidx, tile, seqlen)
 
     @cute.jit
     def mainloop_step(
@@ -510,14 +528,38 @@ class FlashFwdSm90:
                 gO = cute.local_tile(seqlen.rows_q(g.o.tensor, head), (self.tile_m, d), (m_block, 0))
                 epilogue.tma_store_tile(g.o.atom, sO, gO)
 
-        # LSE: the quad's column-0 thread writes its rows, clipped to seqlen_q
+        self.store_lse(lse, g, tiled_mma_pv, tidx, tile, seqlen, seqlen.batch)
+
+    @cute.jit
+    def store_lse(self, lse, g: FwdGlobals, tiled_mma_pv, tidx, tile: WorkTile, seqlen: SeqlenInfo, batch):
+        """The quad's column-0 thread writes its rows' LSE, clipped to seqlen_q, at this
+        batch index of g.lse."""
         thr_mma = tiled_mma_pv.get_slice(tidx)
         tOcO = mma_sm90.acc_as_rows_cols(
-            thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, d)))
+            thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
         )
-        mLSE_cur = seqlen.stats_q(g.lse, head)
+        mLSE_cur = seqlen.stats_q(g.lse, tile.head, batch)
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.tile_m + tOcO[r, 0][0]
+                row = tile.block * self.tile_m + tOcO[r, 0][0]
                 if row < seqlen.seqlen_q * self.pack_gqa:
                     mLSE_cur[row] = lse[r]
+
+    @cute.jit
+    def store_partials(self, acc_O, lse, g: FwdGlobals, tiled_mma_pv, tidx, tile: WorkTile, seqlen: SeqlenInfo):
+        """Split-KV epilogue: this split's normalised O (fp32) and LSE, from registers
+        into the partial buffers at batch index split * batch + b (varlen: batch 1, so
+        the split). No shared memory: an fp32 tile is twice Q's buffer, and the partials
+        of a decode tile are a few KB against the megabytes of keys it reads."""
+        d = self.head_dim
+        part = tile.split * g.q.tensor.shape[3] + seqlen.batch
+        thr_mma = tiled_mma_pv.get_slice(tidx)
+        tOcO = mma_sm90.acc_as_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, d))))
+        acc = mma_sm90.acc_as_rows_cols(acc_O)
+        gO = cute.local_tile(seqlen.rows_q(g.o_rows, tile.head, part), (self.tile_m, d), (tile.block, 0))
+        rows = seqlen.seqlen_q * self.pack_gqa - tile.block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(acc.shape[0])):
+            if tOcO[r, 0][0] < rows:
+                for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
+                    gO[tOcO[r, c]] = acc[r, c]
+        self.store_lse(lse, g, tiled_mma_pv, tidx, tile, seqlen, part)

@@ -1,0 +1,85 @@
+"""How many splits of the keys a KV-cache (decode) forward should use (issue 12).
+
+Why split at all: the forward gives each work tile (a query tile of one KV head of one
+batch entry, GQA heads packed into its rows) one CTA that walks all of its keys. Decode
+has few tiles (batch 1, 8 KV heads, one query: 8 CTAs on 132 SMs) and long key ranges, so
+most SMs idle and the kernel reaches a small share of the memory bandwidth it is bound by
+(perf/NOTES.md, "Split-KV"). With num_splits > 1, that many CTAs share a tile, each
+walking an equal slice of its KV blocks (blocks/block_range.py), and kernels/combine.py
+merges their fp32 partial outputs by their LSEs.
+
+What a split costs: its own prologue (the Q load, the pipeline's first stages), an fp32
+partial write of tile rows x headdim (plus the LSEs) instead of the final store, and the
+combine's read of it. So splits pay off only while the grid is short of the SMs, and
+each must keep enough KV blocks for its mainloop to outweigh those fixed costs.
+
+The rule (pure Python, no device query: the caller passes num_sms):
+
+1. tiles = batch x nheads_kv x seqlen_q_tiles. At tiles >= FILL_FRACTION x num_sms the
+   grid already (nearly) fills the machine: 1, no split (FlashAttention's heuristics
+   use the same 0.8 threshold).
+1b. With one query tile per head (decode) the kernel is memory-bound and about half the
+   SMs reach the bandwidth: tiles >= MEMORY_BOUND_FILL_FRACTION x num_sms, no split.
+2. Otherwise splits = num_sms // tiles: as many CTAs as fit in one wave, never more (a
+   second wave would make the slowest CTA's share the critical path twice).
+2b. Memory-bound (one query tile per head): splits = (num_sms // 2) // tiles. Measured
+   on an H100 (scratch A/B of 2026-11-25, 8 tiles: batch 1, 8 KV heads): 8 splits beat 16
+   at 128K keys (196.7-208.9 vs 201.7-203.5 us across tile configs), 32K (67.2-69.2 vs
+   71.3-72.4), 8K (28.5-29.7 vs 32.0-34.0), and 16 queries x 64/8 heads at 64K (123.7 vs
+   132.9); 32 splits (two waves) lost 10-50%. Each split adds a fixed cost (prologue,
+   pipeline fill), and half the SMs already draw the bandwidth.
+3. At most kv_blocks // MIN_BLOCKS_PER_SPLIT splits, so each keeps >= MIN_BLOCKS_PER_SPLIT
+   KV blocks (and never more splits than KV blocks), and at most max_splits.
+4. Then as few splits as give the same blocks per split: the forward slices
+   ceil(kv_blocks / splits) blocks per split, so e.g. 65 blocks in 16 splits are 5 per
+   split in 13 busy splits and 3 empty ones; 13 splits do the same work with fewer
+   partials to write and combine.
+
+Constants to be checked on the device: see perf/NOTES.md. FILL_FRACTION,
+MIN_BLOCKS_PER_SPLIT and MAX_SPLITS are first guesses from the costs above, not
+measurements; sweep batch x seqlen_k x num_splits for decode shapes and record the best
+split per shape there before trusting them.
+"""
+
+# Tiles per SM at which the grid counts as full (step 1).
+FILL_FRACTION = 0.8
+# The same for memory-bound grids, one query tile per head (step 1b). Measured on an H100
+# (perf/bench_decode.py, 2026-11-25): batch 8 x 8 KV heads = 64 tiles, one query, 8K keys,
+# unsplit 104.0 us (86% of copy bandwidth) vs 2 splits 108.3 us; 8 queries x 64/8 heads
+# against 32K keys, 64 tiles: 368.9 vs 374.5 us. 64 / 132 SMs = 0.48 already saturates.
+MEMORY_BOUND_FILL_FRACTION = 0.45
+# KV blocks (of the forward's tile_n keys, 128 at head dims <= 128) a split keeps at
+# least: 4 blocks = 512 keys, a mainloop several times the length of the prologue and of
+# the partial write it adds (to be measured).
+MIN_BLOCKS_PER_SPLIT = 4
+# The most splits: one tile alone can use at most one wave (num_sms = 132 CTAs on an
+# H100), so 128 loses nothing on Hopper, and it bounds the fp32 partials (splits x rows x
+# headdim x 4 bytes) and the combine's loop over splits per row. FlashAttention 2 passes
+# the same cap to its heuristic.
+MAX_SPLITS = 128
+
+
+def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks: int,
+                      num_sms: int = 132, max_splits: int = MAX_SPLITS) -> int:
+    """The number of splits of the keys for a forward of this shape (>= 1; 1: no split).
+
+    batch, nheads_kv: the grid's batch entries and KV heads; seqlen_q_tiles: query tiles
+    per (entry, KV head), with packed GQA the tiles of seqlen_q x group rows; kv_blocks:
+    KV blocks (tile_n keys each) of the longest entry's keys; num_sms: the GPU's SMs
+    (132 on an H100 SXM); max_splits: the cap (MAX_SPLITS). See the module docstring for
+    the reasoning, and for the constants still to be measured.
+    """
+    tiles = batch * nheads_kv * seqlen_q_tiles
+    if tiles <= 0 or kv_blocks <= 0 or tiles >= FILL_FRACTION * num_sms:
+        return 1
+    if seqlen_q_tiles == 1 and tiles >= MEMORY_BOUND_FILL_FRACTION * num_sms:
+        # one query tile per head (decode): memory-bound, and half the SMs already pull
+        # most of the bandwidth; a split would add the combine for little (step 1b)
+        return 1
+    # memory-bound (one query tile per head): fill half the SMs (step 2b)
+    target = num_sms // 2 if seqlen_q_tiles == 1 else num_sms
+    splits = min(target // tiles, kv_blocks // MIN_BLOCKS_PER_SPLIT, max_splits)
+    if splits <= 1:
+        return 1
+    blocks_per_split = -(-kv_blocks // splits)
+    return -(-kv_blocks // blocks_per_split)

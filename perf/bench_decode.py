@@ -1,0 +1,140 @@
+"""Decode / small-grid forward benchmark (issue 12): few queries against many keys, where
+the work is reading K and V once and the grid of one CTA per (query tile, KV head) is far
+too small for the GPU without split-KV.
+
+    python3 perf/bench_decode.py --out $OUT          # on the GPU machine
+
+Per shape: cute_attn.mha (contiguous K/V; split-KV chosen automatically), FA4 (no split-KV
+on sm90), torch SDPA (its own backend choice, enable_gqa), each timed by do_bench (median)
+in interleaved rounds in this process. Reported: microseconds, GB/s of the bytes that must
+move (K and V read once, plus q and out), and that as a share of the copy bandwidth
+measured in the same run (a device-to-device copy of 2 GiB: read + write bytes / time).
+Masks are bottom-right causal (the decode convention); SDPA's is_causal is top-left, so it
+runs unmasked, which for seqlen_q = 1 is the same attention and for 16 queries against
+64K keys reads the same bytes. Writes decode-<device>.json.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim): the issue's table, then the
+# batch-64 and cuDNN-sweep-like points
+SHAPES = [
+    (1, 1, 131072, 32, 8, 128),
+    (1, 1, 32768, 32, 8, 128),
+    (8, 1, 8192, 32, 8, 128),
+    (1, 16, 65536, 64, 8, 128),
+    (64, 1, 4096, 32, 8, 128),
+    (1, 1, 8192, 64, 8, 128),
+    (8, 8, 32768, 64, 8, 128),
+    (32, 16, 8192, 64, 8, 128),
+]
+QUICK = SHAPES[:4]
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = harness.do_bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+
+
+def moved_bytes(b, sq, sk, h, hkv, d) -> int:
+    return 2 * (b * sk * hkv * d * 2) + 2 * (b * sq * h * d * 2)
+
+
+def impls():
+    import cute_attn
+    from cute_attn import launcher
+
+    def unsplit(q, k, v):
+        # the same forward without split-KV (what mha ran before it): the gain of the split
+        features, run_args = cute_attn.api._features_and_args(True, (-1, -1), 0.0, q.shape[-1] ** -0.5)
+        return launcher.run_fwd(q, k, v, features, run_args, need_lse=False, num_splits=1)[0]
+
+    out = {"cute_attn": lambda q, k, v: cute_attn.mha(q, k, v, causal=True), "cute_attn_unsplit": unsplit}
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        def fa4(q, k, v):
+            r = flash_attn_func(q, k, v, causal=True)
+            return r[0] if isinstance(r, tuple) else r
+        out["fa4"] = fa4
+    except ImportError as exc:
+        harness.log(f"fa4 unavailable: {exc}")
+
+    def sdpa(q, k, v):
+        causal = q.shape[1] == k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+            enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+    out["sdpa"] = sdpa
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="the issue's four shapes only")
+    args = p.parse_args(argv)
+    from cute_attn import launcher
+    from cute_attn.reference import attention_ref
+
+    device = torch.cuda.get_device_name()
+    copy_gbs = copy_bandwidth_gbs()
+    harness.log(f"{device}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
+    fns = impls()
+    records = []
+    for b, sq, sk, h, hkv, d in (QUICK if args.quick else SHAPES):
+        q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        features, run_args = __import__("cute_attn").api._features_and_args(True, (-1, -1), 0.0, d ** -0.5)
+        splits = launcher.choose_splits(q, k, features, run_args, launcher._default_fwd_kernel(q, k, features)[1])
+        ref, _ = attention_ref(q[:1], k[:1], v[:1], causal=True)
+        timers, errors = {}, {}
+        for name, fn in fns.items():
+            try:
+                err = (fn(q, k, v)[:1].float() - ref).abs().max().item()
+                if err > 0.05:
+                    raise RuntimeError(f"wrong result (max error {err:.3g})")
+                timers[name] = (lambda f: lambda: harness.do_bench(lambda: f(q, k, v)))(fn)
+            except Exception as exc:  # noqa: BLE001
+                errors[name] = harness.reason(exc)
+        ms_rounds, failed = harness.run_rounds(timers, args.rounds)
+        errors.update({n: harness.reason(e) for n, e in failed.items()})
+        nbytes = moved_bytes(b, sq, sk, h, hkv, d)
+        # host time of the decode call (a loop of calls with one sync at the end; above
+        # the GPU time it would be what the timings measure)
+        host_us = harness.host_us_per_call(lambda: fns["cute_attn"](q, k, v), 300, 20)
+        rec = {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_kv": hkv, "head_dim": d,
+               "causal": True, "bytes": nbytes, "cute_attn_splits": splits, "cute_attn_host_us": host_us, "skipped": errors, "impls": {}}
+        cells = []
+        for name, ms in ms_rounds.items():
+            med = harness.median_ms(ms)
+            gbs = nbytes / (med * 1e-3) / 1e9
+            rec["impls"][name] = {"us": med * 1e3, "ms_rounds": ms, "gbs": gbs, "pct_copy_bw": 100 * gbs / copy_gbs}
+            cells.append(f"{name} {med * 1e3:8.1f} us {gbs:6.0f} GB/s ({100 * gbs / copy_gbs:3.0f}%)")
+        harness.log(f"b{b} q{sq} k{sk} h{h}/{hkv} d{d} splits {splits} host {host_us:.1f} us: " + " | ".join(cells)
+                    + (f"  skipped {errors}" if errors else ""))
+        records.append(rec)
+    doc = {"device": device, "copy_bandwidth_gbs": copy_gbs, "torch": torch.__version__,
+           "method": f"do_bench median, {args.rounds} interleaved rounds, bf16, random normal inputs",
+           "records": records}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"{harness.device_slug(device)}-decode.json"
+        path.write_text(json.dumps(doc, indent=1))
+        harness.log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
