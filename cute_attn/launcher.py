@@ -366,13 +366,10 @@ def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, config: FwdCo
         batch, seqlen_q, heads, _ = q.shape
         q4, k4, v4 = q, k, v
         cu_q = cu_k = _unused_cu_seqlens(device)
-    # one allocation for both partials (each allocation is host time on a decode step):
-    # O's (num_splits * batch * seqlen_q * heads * head_dim floats, a multiple of 4, so
-    # the LSEs after it stay 16-byte aligned), then the LSEs
-    parts, rows = num_splits * batch, batch * seqlen_q * heads
-    workspace = torch.empty(num_splits * rows * (head_dim + 1), dtype=torch.float32, device=device)
-    o_part = workspace[: num_splits * rows * head_dim].view(parts, seqlen_q, heads, head_dim)
-    lse_part = workspace[num_splits * rows * head_dim:].view(parts, heads, seqlen_q)
+    # the splits stacked on the batch mode (split s of entry b at s * batch + b), the
+    # layout both kernels take: no views on the host path of a decode step
+    o_part = torch.empty((num_splits * batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=device)
+    lse_part = torch.empty((num_splits * batch, heads, seqlen_q), dtype=torch.float32, device=device)
     window_left, window_right = args.window
     fn(q4, k4, v4, o_part, lse_part, cu_q, cu_k, args.max_seqlen_q, args.softmax_scale, args.softcap,
        window_left, window_right, num_splits)
@@ -381,8 +378,7 @@ def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, config: FwdCo
     shape = _lse_shape(q, features)
     lse = torch.empty(shape, dtype=torch.float32, device=device) if need_lse else _lse_sink(device, shape)
     out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
-    combine(o_part.view(num_splits, batch, seqlen_q, heads, head_dim), lse_part.view(num_splits, batch, heads, seqlen_q),
-            out4, lse3, cu_q, args.max_seqlen_q)
+    combine(o_part, lse_part, out4, lse3, cu_q, args.max_seqlen_q)
     return out, (lse if need_lse else None)
 
 
@@ -395,17 +391,17 @@ class CombineKey:
 
 
 def _fake_combine_args(key: CombineKey):
+    """The split forward's partials (num_splits * batch, ...) with their own batch
+    symbol, then the combine's outputs."""
     import cutlass
     import cutlass.cute as cute
 
     n, d = _Symbols(), key.head_dim
-    splits = cute.sym_int32(symbol="splits")
-    o_strides = [cute.sym_int64(divisibility=4, symbol=f"opart_stride{i}") for i in range(4)]
+    parts = cute.sym_int32(symbol="partial_batch")
+    o_strides = [cute.sym_int64(divisibility=4, symbol=f"opart_stride{i}") for i in range(3)]
     o_part = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (splits, n.batch, n.seqlen_q, n.heads, d), stride=(*o_strides, 1), assumed_align=16)
-    l_strides = [cute.sym_int64(symbol=f"lpart_stride{i}") for i in range(3)]
-    lse_part = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (splits, n.batch, n.heads, n.seqlen_q), stride=(*l_strides, 1), assumed_align=4)
+        cutlass.Float32, (parts, n.seqlen_q, n.heads, d), stride=(*o_strides, 1), assumed_align=16)
+    lse_part = _fake_rowwise(parts, n.heads, n.seqlen_q, "lse_part")
     return (o_part, lse_part, _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o"),
             _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse"), _fake_cu_seqlens("cu_seqlens_q"),
             cutlass.Int32(0), _fake_stream())

@@ -321,24 +321,14 @@ def test_split_kv_forward_compiles_and_writes_fp32_partials(mask, pack):
 def test_split_combine_compiles(dtype, varlen):
     """kernels/combine.py for sm_90a: one exp2 per split weight, one log2 for the LSE, and
     16-bit stores of O (the input dtype) plus the fp32 LSE; num_splits stays a symbol."""
-    import cutlass
     import cutlass.cute as cute
 
     from cute_attn import launcher
     from cute_attn.config import DTYPES
     from cute_attn.kernels.combine import SplitCombine
 
-    n, d = launcher._Symbols(), 128
-    splits = cute.sym_int32(symbol="splits")
-    o_strides = [cute.sym_int64(symbol=f"opart_stride{i}") for i in range(4)]
-    o_part = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (splits, n.batch, n.seqlen_q, n.heads, d), stride=(*o_strides, 1), assumed_align=16)
-    l_strides = [cute.sym_int64(symbol=f"lpart_stride{i}") for i in range(3)]
-    lse_part = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (splits, n.batch, n.heads, n.seqlen_q), stride=(*l_strides, 1), assumed_align=4)
-    args = (o_part, lse_part, launcher._fake_bshd(dtype, n.batch, n.seqlen_q, n.heads, d, "o"),
-            launcher._fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse"),
-            launcher._fake_cu_seqlens("cu_seqlens_q"), cutlass.Int32(0), launcher._fake_stream())
+    d = 128
+    args = launcher._fake_combine_args(launcher.CombineKey(dtype, d, varlen))
     kernel = SplitCombine(DTYPES[dtype], d, AttnFeatures(varlen=varlen))
     ptx = cute.compile(kernel, *args, options="--enable-tvm-ffi --gpu-arch sm_90a --keep-ptx").__ptx__
     assert ".target sm_90a" in ptx

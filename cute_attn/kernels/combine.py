@@ -12,10 +12,10 @@ A split that saw no key (lse_s = -inf) has weight 0; the forward still writes it
 (O_s = 0), which lets the combine read every split without a branch. A row no split saw
 gets O = 0 and lse = -inf, the rule for rows that see no key.
 
-Layouts (each split's partials are an ordinary forward output of fp32, so the split forward
-reuses its epilogue with another tensor):
-    O_partial   (num_splits, batch, seqlen_q, heads, head_dim)  fp32
-    LSE_partial (num_splits, batch, heads, seqlen_q)            fp32
+Layouts (the split forward's partials, the splits stacked on the batch mode: split s of
+batch entry b at index s * batch + b):
+    O_partial   (num_splits * batch, seqlen_q, heads, head_dim)  fp32
+    LSE_partial (num_splits * batch, heads, seqlen_q)            fp32
     O           (batch, seqlen_q, heads, head_dim)              the input dtype
     LSE         (batch, heads, seqlen_q)                        fp32
 Packed (varlen) batches pass batch = 1 and cu_seqlens_q, as the other kernels do
@@ -58,8 +58,8 @@ class SplitCombine:
     @cute.jit
     def __call__(
         self,
-        mOpart: cute.Tensor,  # (num_splits, batch, seqlen_q, heads, head_dim) fp32
-        mLSEpart: cute.Tensor,  # (num_splits, batch, heads, seqlen_q) fp32
+        mOpart: cute.Tensor,  # (num_splits * batch, seqlen_q, heads, head_dim) fp32
+        mLSEpart: cute.Tensor,  # (num_splits * batch, heads, seqlen_q) fp32
         mO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q) fp32
         mCuSeqlensQ: cute.Tensor,  # varlen only
@@ -81,7 +81,8 @@ class SplitCombine:
         lane = cute.arch.lane_idx()
         seqlen = SeqlenInfo(batch, mO.shape[1], mO.shape[1], mCuSeqlensQ, mCuSeqlensQ, self.varlen)
         b = seqlen.batch
-        num_splits = mLSEpart.shape[0]
+        batches = mO.shape[0]  # split s of entry b is partial s * batches + b
+        num_splits = mLSEpart.shape[0] // batches
         cols = self.head_dim // 32
         acc = cute.make_rmem_tensor((cols,), Float32)
         for i in cutlass.range(_ROWS_PER_WARP, unroll=1):
@@ -94,7 +95,7 @@ class SplitCombine:
                 # for 8 splits of 32 rows, H100)
                 lse_max = -Float32.inf
                 for s in cutlass.range(num_splits, unroll=_UNROLL):
-                    lse_max = cute.arch.fmax(lse_max, mLSEpart[s, b, head, src])
+                    lse_max = cute.arch.fmax(lse_max, mLSEpart[s * batches + b, head, src])
                 # Every split wrote every row it owns (one that saw no key: O_s = 0,
                 # lse_s = -inf), so all are read, branch-free: exp2(-inf) = 0 weighs an
                 # empty split out. A row no split saw (m = -inf) is shifted by 0 instead,
@@ -105,10 +106,11 @@ class SplitCombine:
                 acc.fill(0.0)
                 weight_sum = Float32(0.0)
                 for s in cutlass.range(num_splits, unroll=_UNROLL):
-                    w = cute.math.exp2((mLSEpart[s, b, head, src] - shift) * _LOG2E, fastmath=True)
+                    part = s * batches + b
+                    w = cute.math.exp2((mLSEpart[part, head, src] - shift) * _LOG2E, fastmath=True)
                     weight_sum += w
                     for j in cutlass.range_constexpr(cols):
-                        acc[j] += w * mOpart[s, b, src, head, lane + 32 * j]
+                        acc[j] += w * mOpart[part, src, head, lane + 32 * j]
                 lse = -Float32.inf
                 inv_sum = Float32(0.0)
                 if weight_sum > 0.0:
