@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     w.add_argument("--no-bwd", action="store_true", help="forward kernels only (inference)")
     w.add_argument("--gqa-pack", nargs="*", type=int, default=[],
                    help="GQA group sizes whose packed forward (short query sequences) to build too")
+    w.add_argument("--decode", action="store_true",
+                   help="also the inference kernels: split-KV forwards, the combine, mha_with_kvcache's")
     w.add_argument("--jobs", type=int, default=0, help="parallel compile processes (0: one per CPU, <= 8)")
     w.add_argument("--list", action="store_true", help="print the plan, build nothing")
     args = parser.parse_args(argv)
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
 def _warmup(args) -> int:
     jobs = warmup.plan(args.dtype, args.headdim, args.mask, softcap=args.softcap,
                        varlen=(False,) if args.no_varlen else (False, True), backward=not args.no_bwd,
-                       gqa_packs=args.gqa_pack)
+                       gqa_packs=args.gqa_pack, decode=args.decode)
     if args.list:
         for job in jobs:
             print(job.family, job.key)

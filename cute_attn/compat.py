@@ -15,6 +15,7 @@ Importing this module does not import the CuTe DSL.
 import numbers
 from typing import Literal, Optional, Union, overload
 
+import torch
 from torch import Tensor
 
 from cute_attn.api import _NO_WINDOW, mha, mha_varlen
@@ -165,6 +166,43 @@ def _fa2_result(result, with_probs):
         return result
     out, lse = result
     return out, lse, None
+
+
+# ----------------------------------------------------------------------------------------
+# FlashAttention 2's KV-cache entry point
+# ----------------------------------------------------------------------------------------
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                            v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
+                            rotary_sin: Optional[Tensor] = None,
+                            cache_seqlens: Optional[Union[int, Tensor]] = None,
+                            cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
+                            block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
+                            causal: bool = False, window_size: tuple[int, int] = _NO_WINDOW,
+                            softcap: float = 0.0, rotary_interleaved: bool = True,
+                            alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
+                            return_softmax_lse: bool = False):
+    """FlashAttention 2's flash_attn_with_kvcache (names, order, defaults) over
+    cute_attn.mha_with_kvcache. cache_seqlens: an int32 (batch,) tensor, an int (every
+    entry holds that many keys) or None (every entry full). block_table is the paged
+    cache's page table (mha_with_kvcache's page_table). Returns out, or (out, softmax_lse)
+    with return_softmax_lse=True. Raises NotImplementedError naming rotary_cos /
+    rotary_sin, cache_batch_idx, cache_leftpad and alibi_slopes when given."""
+    from cute_attn.kvcache import mha_with_kvcache
+
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("alibi_slopes", alibi_slopes)):
+        if value is not None:
+            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by cute_attn; pass None")
+    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
+        filled = k_cache.shape[1] if cache_seqlens is None else int(cache_seqlens)
+        cache_seqlens = torch.full((q.shape[0],), filled, dtype=torch.int32, device=q.device)
+    return mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=block_table,
+                            causal=causal, window_size=window_size, softcap=softcap,
+                            softmax_scale=softmax_scale, num_splits=num_splits,
+                            return_lse=_checked_bool("return_softmax_lse", return_softmax_lse))
 
 
 # ----------------------------------------------------------------------------------------

@@ -40,10 +40,15 @@ class AttnFeatures:
     mask: str = "none"  # "none" | "causal" | "local" (sliding window), see blocks/mask.py
     softcap: bool = False  # scores = softcap * tanh(scale * q k^T / softcap)
     varlen: bool = False  # packed sequences with cu_seqlens offsets, see blocks/seqlen.py
+    # dense batch whose entries use only their first seqlens_k[b] keys (a KV cache's
+    # filled length): an int32 (batch,) device tensor in the kernels' cu_seqlens_k slot
+    kv_lengths: bool = False
 
     def __post_init__(self):
         if self.mask not in MASK_KINDS:
             raise ValueError(f"mask must be one of {MASK_KINDS}, got {self.mask!r}")
+        if self.kv_lengths and self.varlen:
+            raise ValueError("kv_lengths is for dense (batch, seqlen) caches, not packed varlen batches")
 
     @property
     def causal_like(self) -> bool:
@@ -69,7 +74,7 @@ class RunArgs(NamedTuple):
     softcap: float = 0.0  # 0: off
     window: tuple = (UNBOUNDED, UNBOUNDED)  # (left, right) of a "local" mask
     cu_seqlens_q: Optional[torch.Tensor] = None  # varlen only
-    cu_seqlens_k: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None  # varlen; with kv_lengths: keys per entry
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
 

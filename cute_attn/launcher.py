@@ -284,7 +284,8 @@ def run_fwd(
            args.max_seqlen_q, args.softmax_scale, args.softcap, window_left, window_right, 1)
     else:
         unused = _unused_cu_seqlens(device)
-        fn(q, k, v, out, lse, unused, unused, args.max_seqlen_q, args.softmax_scale, args.softcap,
+        kv_lengths = args.cu_seqlens_k if features.kv_lengths else unused
+        fn(q, k, v, out, lse, unused, kv_lengths, args.max_seqlen_q, args.softmax_scale, args.softcap,
            window_left, window_right, 1)
     return out, (lse if need_lse else None)
 
@@ -366,6 +367,8 @@ def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, config: FwdCo
         batch, seqlen_q, heads, _ = q.shape
         q4, k4, v4 = q, k, v
         cu_q = cu_k = _unused_cu_seqlens(device)
+        if features.kv_lengths:
+            cu_k = args.cu_seqlens_k
     # the splits stacked on the batch mode (split s of entry b at s * batch + b), the
     # layout both kernels take: no views on the host path of a decode step
     o_part = torch.empty((num_splits * batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=device)

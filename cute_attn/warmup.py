@@ -32,18 +32,34 @@ DEFAULT_MASKS = ("none", "causal")
 
 @dataclass(frozen=True)
 class Job:
-    family: str  # "fwd" | "bwd"
-    key: object  # launcher.FwdKey | launcher.BwdKey
+    family: str  # "fwd" | "bwd" | "combine"
+    key: object  # launcher.FwdKey | launcher.BwdKey | launcher.CombineKey
 
 
 def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
          masks: Sequence[str] = DEFAULT_MASKS, softcap: bool = False, varlen: Iterable[bool] = (False, True),
-         backward: bool = True, gqa_packs: Sequence[int] = ()) -> list:
+         backward: bool = True, gqa_packs: Sequence[int] = (), decode: bool = False) -> list:
     """The Jobs for every combination; gqa_packs: group sizes whose packed forward (short
-    query sequences, see config.choose_pack_gqa) to build as well."""
-    from cute_attn.launcher import BwdKey, FwdKey
+    query sequences, see config.choose_pack_gqa) to build as well. decode: also what
+    inference takes: the split-KV forwards and their combine (small grids), and
+    mha_with_kvcache's kv_lengths forwards, split and unsplit, for each pack."""
+    import dataclasses
+
+    from cute_attn.launcher import BwdKey, CombineKey, FwdKey
 
     jobs = []
+    if decode:
+        for dtype, d, mask in itertools.product(dtypes, head_dims, masks):
+            if d not in CAPABILITIES["fwd"].head_dims:
+                continue
+            for kv_lengths, pack, split in itertools.product((False, True), (1, *gqa_packs), (False, True)):
+                if not (kv_lengths or split):
+                    continue  # the plain forward: built below
+                features = AttnFeatures(mask=mask, softcap=softcap, kv_lengths=kv_lengths)
+                config = dataclasses.replace(fwd_config_for(d, features, pack), split_kv=split)
+                jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))
+            for var in varlen:
+                jobs.append(Job("combine", CombineKey(dtype, d, var)))
     for dtype, d, mask, var in itertools.product(dtypes, head_dims, masks, varlen):
         features = AttnFeatures(mask=mask, softcap=softcap, varlen=var)
         if d in CAPABILITIES["fwd"].head_dims:
@@ -59,8 +75,9 @@ def build(job: Job) -> float:
     """Load or compile one job's kernels through the disk cache; returns the seconds."""
     from cute_attn import launcher
 
+    get = {"fwd": launcher.get_fwd_kernel, "bwd": launcher.get_bwd_kernels, "combine": launcher.get_combine_kernel}
     start = time.perf_counter()
-    (launcher.get_fwd_kernel if job.family == "fwd" else launcher.get_bwd_kernels)(job.key)
+    get[job.family](job.key)
     return time.perf_counter() - start
 
 

@@ -4,7 +4,8 @@ too small for the GPU without split-KV.
 
     python3 perf/bench_decode.py --out $OUT          # on the GPU machine
 
-Per shape: cute_attn.mha (contiguous K/V; split-KV chosen automatically), FA4 (no split-KV
+Per shape: cute_attn.mha (contiguous K/V; split-KV chosen automatically), the same through
+mha_with_kvcache (a full contiguous cache, lengths from a device tensor), FA4 (no split-KV
 on sm90), torch SDPA (its own backend choice, enable_gqa), each timed by do_bench (median)
 in interleaved rounds in this process. Reported: microseconds, GB/s of the bytes that must
 move (K and V read once, plus q and out), and that as a share of the copy bandwidth
@@ -59,7 +60,18 @@ def impls():
         features, run_args = cute_attn.api._features_and_args(True, (-1, -1), 0.0, q.shape[-1] ** -0.5)
         return launcher.run_fwd(q, k, v, features, run_args, need_lse=False, num_splits=1)[0]
 
-    out = {"cute_attn": lambda q, k, v: cute_attn.mha(q, k, v, causal=True), "cute_attn_unsplit": unsplit}
+    lengths = {}
+
+    def kvcache(q, k, v):
+        # the same keys as a full KV cache (no append): mha_with_kvcache's kv_lengths path
+        seqlens = lengths.get((q.shape[0], k.shape[1]))
+        if seqlens is None:
+            seqlens = lengths[(q.shape[0], k.shape[1])] = torch.full(
+                (q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+        return cute_attn.mha_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)
+
+    out = {"cute_attn": lambda q, k, v: cute_attn.mha(q, k, v, causal=True), "cute_attn_unsplit": unsplit,
+           "cute_attn_kvcache": kvcache}
     try:
         from flash_attn.cute import flash_attn_func
 

@@ -65,3 +65,23 @@ def test_warmup_fills_the_cache_and_a_second_process_only_loads(tmp_path):
                             timeout=600)
     assert second.returncode == 0, second.stderr
     assert "compiled" not in second.stderr
+
+
+def test_decode_plan_adds_the_inference_kernels():
+    from cute_attn.launcher import CombineKey
+
+    base = warmup.plan(head_dims=(128,), masks=("causal",), varlen=(False,), backward=False, gqa_packs=(4,))
+    jobs = warmup.plan(head_dims=(128,), masks=("causal",), varlen=(False,), backward=False, gqa_packs=(4,),
+                       decode=True)
+    extra = [j for j in jobs if j not in base]
+    assert _keys(base) <= _keys(jobs)
+    fwd = [j.key for j in extra if j.family == "fwd"]
+    # (dense split, kv_lengths unsplit, kv_lengths split) x packs 1 and 4
+    assert len(fwd) == 6 and len(set(fwd)) == 6
+    assert {(k.features.kv_lengths, k.config.split_kv, k.config.pack_gqa) for k in fwd} == {
+        (kv, split, pack) for kv in (False, True) for split in (False, True) for pack in (1, 4) if kv or split}
+    assert [j.key for j in extra if j.family == "combine"] == [CombineKey("bf16", 128, False)]
+
+
+def _keys(jobs):
+    return {(j.family, j.key) for j in jobs}

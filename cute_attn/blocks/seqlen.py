@@ -1,6 +1,8 @@
 """Sequence bounds of the batch entry a CTA works on, and views of its rows.
 
-Dense batches read the lengths off the tensor shapes and index the batch mode. Variable-
+Dense batches read the lengths off the tensor shapes and index the batch mode; with
+kv_lengths (a KV cache) each entry's key count comes from a device tensor instead,
+clamped to the cache's rows, so no key past the tensor is ever loaded. Variable-
 length (packed) batches arrive as (1, total, heads, head_dim) tensors with cu_seqlens
 offsets: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1], reached by offsetting the
 tensor's domain, so the kernels see the same 2-D (seqlen, head_dim) tiles either way and
@@ -34,6 +36,7 @@ class SeqlenInfo(Staged):
         mCuSeqlensK: cute.Tensor,
         varlen: bool,
         tile_m_padded: int = 0,
+        kv_lengths: bool = False,
     ):
         self.varlen = varlen
         if cutlass.const_expr(varlen):
@@ -51,6 +54,9 @@ class SeqlenInfo(Staged):
             self.offset_k = Int32(0)
             self.seqlen_q = seqlen_q_dense
             self.seqlen_k = seqlen_k_dense
+            if cutlass.const_expr(kv_lengths):
+                # a KV cache: this entry's filled length, at most the tensor's rows
+                self.seqlen_k = cutlass.min(mCuSeqlensK[batch], seqlen_k_dense)
             self.batch = batch
             self.padded_m_block_offset = Int32(0)
 

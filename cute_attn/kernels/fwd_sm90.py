@@ -39,6 +39,8 @@ Features (config.AttnFeatures, one specialisation each; their values are run-tim
     loop runs the masked blocks at the right edge, the unmasked bulk, then the masked
     blocks at the left edge.
   * softcap: S <- tanh(S * scale / softcap) before the mask, softmax scaled by softcap.
+  * kv_lengths: a KV cache, whose entry b uses its first cu_seqlens_k[b] keys (the
+    argument slot holds those lengths, blocks/seqlen.py); masks align to that length.
   * varlen: packed sequences located by cu_seqlens (blocks/seqlen.py); tiles past a
     sequence's end exit at once, and O leaves row by row instead of by TMA so that a
     partial tile never writes into the next sequence.
@@ -264,7 +266,8 @@ class FlashFwdSm90:
         # packed GQA: the row mode is (group, seqlen_q); the sequence is its second part
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack_gqa > 1) else mQ.shape[0]
         seqlen = SeqlenInfo(
-            tile.batch, seqlen_q, mK.shape[0], g.cu_seqlens_q, g.cu_seqlens_k, self.features.varlen
+            tile.batch, seqlen_q, mK.shape[0], g.cu_seqlens_q, g.cu_seqlens_k, self.features.varlen,
+            kv_lengths=self.features.kv_lengths,
         )
         window = Window(self.features.mask, window_left, window_right)
         block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa, self.split_kv, num_splits)

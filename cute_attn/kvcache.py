@@ -1,0 +1,100 @@
+"""`mha_with_kvcache`: attention of a few new queries against a KV cache, with the new keys
+and values appended in place first, so that one call is one decode step
+(FlashAttention's `flash_attn_with_kvcache` semantics).
+
+The kernel is the forward with AttnFeatures.kv_lengths: entry b attends to its first
+cache_seqlens[b] + seqlen_new keys, read from a device tensor (blocks/seqlen.py), so a
+decode step never reads lengths on the host and can be captured in a CUDA graph and
+replayed with new lengths. Small grids (batch 1, one query) take split-KV like `mha`
+(launcher.choose_splits). Contiguous caches only so far; a paged cache (page_table) raises
+NotImplementedError.
+"""
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from cute_attn import api
+from cute_attn.config import AttnFeatures, RunArgs
+from cute_attn.kvcache_checks import validate_kvcache_inputs
+
+_TensorPair = tuple[Tensor, Tensor]
+# (mask, softcap on) -> the kv_lengths features of a call
+_features: dict = {}
+
+
+def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                     v: Optional[Tensor] = None, *, cache_seqlens: Tensor, page_table: Optional[Tensor] = None,
+                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     softmax_scale: Optional[float] = None, num_splits: int = 0, return_lse: bool = False,
+                     check_inputs: bool = False) -> Union[Tensor, _TensorPair]:
+    """Attention of q against a KV cache, after appending k, v to it (not differentiable).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on an sm_90 GPU.
+        k_cache, v_cache: (batch, seqlen_cache, nheads_kv, headdim), q's dtype, nheads_kv
+            dividing nheads (GQA/MQA: the group's query heads share one tile). Written in
+            place when k, v are given. Slots past an entry's filled length that share its
+            last KV tile are read and masked out (P = 0), so they must hold finite values:
+            allocate caches with torch.zeros, not torch.empty.
+        k, v: None, or (batch, seqlen_new, nheads_kv, headdim): written into the caches at
+            positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of entry b.
+        cache_seqlens: int32 (batch,) on q's device: the keys already in each entry.
+        page_table: a paged cache's int32 (batch, max_pages) table: not supported yet.
+        causal, window_size, softcap, softmax_scale: as in `mha`, aligned bottom-right to
+            each entry's cache_seqlens[b] + seqlen_new keys.
+        num_splits: split-KV CTAs per query tile; 0 chooses (launcher.choose_splits).
+        return_lse: also return the float32 (batch, nheads, seqlen_q) log-sum-exp.
+        check_inputs: read cache_seqlens to the host once and raise ValueError naming the
+            entry whose cache_seqlens[b] + seqlen_new is outside [0, seqlen_cache] (a
+            device sync; an error under CUDA graph capture). Without it such values are
+            clamped into the cache (positions below 0 to 0, above the end to its last
+            slot), so nothing outside the cache is read or written, but that entry's
+            result and its last slot are wrong.
+
+    Returns out (batch, seqlen_q, nheads, headdim) like q, or (out, lse).
+    """
+    problem = validate_kvcache_inputs(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=page_table, causal=causal,
+        window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits,
+        return_lse=return_lse, check_inputs=check_inputs)
+    if page_table is not None:
+        raise NotImplementedError("mha_with_kvcache: a paged cache (page_table) is not supported yet; "
+                                  "pass a contiguous (batch, seqlen_cache, nheads_kv, headdim) cache")
+    capacity = problem.capacity
+    lengths = cache_seqlens
+    if problem.seqlen_new:
+        lengths = _append(k_cache, v_cache, k, v, cache_seqlens, capacity)
+    scale = float(softmax_scale) if softmax_scale is not None else problem.head_dim ** -0.5
+    features, run_args = _features_and_args(problem, scale, lengths)
+    if problem.batch == 0 or problem.seqlen_q == 0 or problem.nheads == 0:
+        out = torch.zeros_like(q)
+        lse = q.new_full((problem.batch, problem.nheads, problem.seqlen_q), float("-inf"), dtype=torch.float32)
+        return (out, lse) if problem.return_lse else out
+    out, lse = api._launcher().run_fwd(q, k_cache, v_cache, features, run_args, need_lse=problem.return_lse,
+                                       num_splits=problem.num_splits or None)
+    return (out, lse) if problem.return_lse else out
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, capacity):
+    """Write k, v at each entry's cache_seqlens[b] + j, on the device (no host read), and
+    return the entries' new lengths as int32. Positions are clamped into [0, capacity)."""
+    batch, seqlen_new = k.shape[0], k.shape[1]
+    start = cache_seqlens.long().clamp(0, capacity)
+    positions = (start[:, None] + torch.arange(seqlen_new, device=k.device)).clamp_(max=capacity - 1)
+    rows = torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_new)
+    k_cache.index_put_((rows, positions), k)
+    v_cache.index_put_((rows, positions), v)
+    return (start + seqlen_new).clamp_(max=capacity).to(torch.int32)
+
+
+def _features_and_args(problem, scale, lengths):
+    """api._features_and_args's (features, run args) with kv_lengths: the per-entry key
+    counts ride in the cu_seqlens_k slot."""
+    plain, run_args = api._features_and_args(problem.causal, problem.window_size, problem.softcap, scale)
+    key = (plain.mask, plain.softcap)
+    features = _features.get(key)
+    if features is None:
+        features = _features[key] = AttnFeatures(mask=plain.mask, softcap=plain.softcap, kv_lengths=True)
+    return features, RunArgs(run_args.softmax_scale, run_args.softcap, run_args.window, None, lengths)

@@ -1,0 +1,116 @@
+"""cute_attn.mha_with_kvcache without a GPU: the append (in place, on the device, clamped
+into the cache), what reaches the launcher (kv_lengths features, the per-entry key counts
+in the cu_seqlens_k slot, the split count), and what is refused (paged caches, for now).
+The launcher is a stand-in that records its call; validation runs with every check but
+the device's (CPU tensors)."""
+
+import pytest
+import torch
+
+import cute_attn
+import cute_attn.api as api
+import cute_attn.validation as validation
+from cute_attn.config import UNBOUNDED
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def run_fwd(self, q, k, v, features, args, config=None, need_lse=True, num_splits=None):
+        self.calls.append(dict(k=k, v=v, features=features, args=args, need_lse=need_lse, num_splits=num_splits))
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1]) if need_lse else None
+        return torch.zeros_like(q), lse
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(api, "_launcher_module", rec)
+    monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
+    return rec
+
+
+def _inputs(batch=3, seqlen_q=2, capacity=64, heads=8, heads_kv=2, d=64, seqlen_new=2):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=g).to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(batch, capacity, heads_kv, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch, seqlen_new, heads_kv, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    return q, k_cache, v_cache, k, v
+
+
+def test_append_and_lengths(launcher):
+    q, k_cache, v_cache, k, v = _inputs()
+    before = k_cache.clone()
+    lengths = torch.tensor([0, 10, 62], dtype=torch.int32)
+    out, lse = cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                          window_size=(30, -1), softcap=5.0, return_lse=True, num_splits=3)
+    for b, n in enumerate((0, 10, 62)):
+        assert torch.equal(k_cache[b, n:n + 2], k[b]) and torch.equal(v_cache[b, n:n + 2], v[b])
+        assert torch.equal(k_cache[b, :n], before[b, :n]) and torch.equal(k_cache[b, n + 2:], before[b, n + 2:])
+    (call,) = launcher.calls
+    assert call["k"] is k_cache and call["v"] is v_cache
+    f, args = call["features"], call["args"]
+    assert f.kv_lengths and f.mask == "local" and f.softcap and not f.varlen
+    assert args.window == (30, 0) and args.softcap == 5.0 and args.softmax_scale == 64 ** -0.5
+    assert args.cu_seqlens_k.dtype == torch.int32 and args.cu_seqlens_k.tolist() == [2, 12, 64]
+    assert call["num_splits"] == 3 and call["need_lse"]
+
+
+def test_no_new_tokens_and_defaults(launcher):
+    q, k_cache, v_cache, _, _ = _inputs()
+    lengths = torch.tensor([5, 0, 64], dtype=torch.int32)
+    before = k_cache.clone()
+    out = cute_attn.mha_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+    assert torch.equal(k_cache, before) and out.shape == q.shape
+    (call,) = launcher.calls
+    assert call["args"].cu_seqlens_k is lengths and call["num_splits"] is None and not call["need_lse"]
+    assert call["features"].mask == "none" and call["args"].window == (UNBOUNDED, UNBOUNDED)
+
+
+def test_out_of_range_positions_are_clamped_into_the_cache(launcher):
+    q, k_cache, v_cache, k, v = _inputs(capacity=16)
+    lengths = torch.tensor([15, -4, 16], dtype=torch.int32)  # past the end, negative, full
+    cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
+    # 15 and 16 -> slot 15 (which of the two tokens lands there is index_put_'s choice)
+    assert torch.equal(k_cache[0, 15], k[0, 0]) or torch.equal(k_cache[0, 15], k[0, 1])
+    assert torch.equal(k_cache[1, 0:2], k[1])  # -4 -> 0
+    assert launcher.calls[0]["args"].cu_seqlens_k.tolist() == [16, 2, 16]
+    with pytest.raises(ValueError, match="batch entry 1"):
+        cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, check_inputs=True)
+
+
+def test_paged_cache_is_refused_before_any_write(launcher):
+    q, _, _, k, v = _inputs()
+    pages = torch.zeros(12, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    with pytest.raises(NotImplementedError, match="paged"):
+        cute_attn.mha_with_kvcache(q, pages, pages.clone(), k, v, cache_seqlens=torch.zeros(3, dtype=torch.int32),
+                                   page_table=table)
+    assert torch.equal(pages, torch.zeros_like(pages)) and launcher.calls == []
+
+
+def test_flash_attn_with_kvcache_is_the_same_call(launcher):
+    q, k_cache, v_cache, k, v = _inputs()
+    twin_k, twin_v = k_cache.clone(), v_cache.clone()
+    lengths = torch.tensor([3, 0, 40], dtype=torch.int32)
+    out, lse = cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                                 return_softmax_lse=True)
+    cute_attn.mha_with_kvcache(q, twin_k, twin_v, k, v, cache_seqlens=lengths, causal=True, return_lse=True)
+    assert torch.equal(k_cache, twin_k) and torch.equal(v_cache, twin_v)
+    a, b = launcher.calls
+    assert a["features"] == b["features"] and a["args"][:3] == b["args"][:3]
+    assert a["args"].cu_seqlens_k.tolist() == b["args"].cu_seqlens_k.tolist() == [5, 2, 42]
+    # an int or None: every entry holds that many keys (None: full)
+    cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7)
+    cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache)
+    assert launcher.calls[2]["args"].cu_seqlens_k.tolist() == [7, 7, 7]
+    assert launcher.calls[3]["args"].cu_seqlens_k.tolist() == [64, 64, 64]
+
+
+@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad", "alibi_slopes"])
+def test_flash_attn_with_kvcache_refuses_what_it_cannot_do(launcher, name):
+    q, k_cache, v_cache, _, _ = _inputs()
+    with pytest.raises(NotImplementedError, match=name):
+        cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, **{name: torch.zeros(3)})
+    assert launcher.calls == []

@@ -1,0 +1,126 @@
+"""cute_attn.mha_with_kvcache on the GPU against the fp32 KV-cache reference
+(cute_attn.kvcache_reference), per batch entry: cache lengths that differ (0 and full
+included), the in-place append (the cache contents checked after the call), GQA groups,
+1-16 queries with causal / window / softcap, forced and automatic split counts, and a
+CUDA graph replayed with new lengths and tokens.
+
+Tolerance: the forward rule of tests/gpu_checks.py (2 x the error of the same attention in
+the input dtype, + a floor) with the torch computation done per entry on the gathered keys."""
+
+import pytest
+import torch
+
+import cute_attn
+from cute_attn.kvcache_reference import kvcache_attention_ref
+from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401  (autouse)
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _inputs(batch, seqlen_q, capacity, heads, heads_kv, d, seqlen_new, lengths, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(BF16)
+
+    q = rand(batch, seqlen_q, heads, d)
+    k_cache, v_cache = rand(batch, capacity, heads_kv, d), rand(batch, capacity, heads_kv, d)
+    k_new = rand(batch, seqlen_new, heads_kv, d) if seqlen_new else None
+    v_new = rand(batch, seqlen_new, heads_kv, d) if seqlen_new else None
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, k_new, v_new, cache_seqlens
+
+
+def _reference_low(q, k_after, v_after, lengths, seqlen_new, **kw):
+    """The same attention in bf16 (attention_ref(upcast=False)) per entry: the yardstick."""
+    outs = []
+    for b, n in enumerate(lengths):
+        keys = n + seqlen_new
+        o, _ = cute_attn.reference.attention_ref(q[b:b + 1], k_after[b:b + 1, :keys], v_after[b:b + 1, :keys],
+                                                 upcast=False, **kw)
+        outs.append(o)
+    return torch.cat(outs)
+
+
+CASES = [
+    # (batch, seqlen_q, capacity, heads, heads_kv, d, seqlen_new, lengths, kwargs)
+    (4, 1, 3000, 32, 8, 128, 1, (0, 2999, 1234, 77), dict(causal=True)),
+    (3, 4, 2048, 16, 16, 128, 4, (100, 0, 2044), dict(causal=True)),
+    (2, 16, 4500, 64, 4, 128, 16, (4484, 1000), dict(causal=True, softcap=30.0)),
+    (2, 8, 5000, 16, 1, 64, 0, (4999, 3333), dict(window_size=(511, 0))),
+    (3, 2, 1500, 32, 8, 256, 2, (1, 700, 1498), dict()),
+    (1, 1, 65536, 32, 8, 128, 1, (65000,), dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}q{c[1]}cap{c[2]}h{c[3]}kv{c[4]}d{c[5]}new{c[6]}")
+def test_matches_reference_and_appends(case, num_splits):
+    batch, sq, cap, h, hkv, d, new, lengths, kw = case
+    q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(batch, sq, cap, h, hkv, d, new, lengths, seed=sum(lengths))
+    ref_out, ref_lse, k_after, v_after = kvcache_attention_ref(q, k_cache, v_cache, seqlens, k_new, v_new, **kw)
+    poison_allocator(q.numel() * 2, q.numel() // d * 4)
+    out, lse = cute_attn.mha_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                          num_splits=num_splits, return_lse=True, **kw)
+    # the append happened in place, and nothing else in the caches moved
+    assert torch.equal(k_cache, k_after) and torch.equal(v_cache, v_after)
+    assert out.shape == q.shape and not out.isnan().any() and not lse.isnan().any()
+    low = _reference_low(q, k_after, v_after, lengths, new, **kw)
+    err = (out.float() - ref_out).abs().max().item()
+    err_torch = (low.float() - ref_out).abs().max().item()
+    assert err <= 2 * err_torch + 1e-5, (err, err_torch)
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (lse[~empty] - ref_lse[~empty]).abs().max().item() <= 1e-3 + 2 * kw.get("softcap", 0.0) * 2 ** -11
+
+
+def test_empty_cache_and_no_new_tokens_give_zero_rows():
+    q, k_cache, v_cache, _, _, seqlens = _inputs(2, 3, 256, 8, 8, 128, 0, (0, 0), seed=1)
+    out, lse = cute_attn.mha_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_out_of_range_lengths_are_clamped_or_rejected():
+    q, k_cache, v_cache, k_new, v_new, _ = _inputs(2, 1, 512, 8, 8, 128, 1, (0, 0), seed=2)
+    bad = torch.tensor([512, 5], dtype=torch.int32, device="cuda")  # entry 0 is full
+    with pytest.raises(ValueError, match="entry 0|batch entry 0|\\[0\\]"):
+        cute_attn.mha_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=bad, check_inputs=True)
+    k_before = k_cache.clone()
+    out = cute_attn.mha_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=bad)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    # entry 0's token went to its last slot (clamped), entry 1's to position 5
+    assert torch.equal(k_cache[0, 511], k_new[0, 0]) and torch.equal(k_cache[1, 5], k_new[1, 0])
+    assert torch.equal(k_cache[0, :511], k_before[0, :511])
+
+
+def test_decode_step_in_a_cuda_graph():
+    """Capture one decode step; replay it with new lengths and new tokens copied into the
+    captured tensors: the result equals an eager call on the same state."""
+    q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(2, 1, 8192, 32, 8, 128, 1, (100, 5000), seed=3)
+
+    def step():
+        return cute_attn.mha_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lengths in ((101, 5001), (7000, 0)):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        k_snapshot, v_snapshot = k_cache.clone(), v_cache.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        k_replayed, v_replayed, out_replayed = k_cache.clone(), v_cache.clone(), out.clone()
+        k_cache.copy_(k_snapshot)
+        v_cache.copy_(v_snapshot)
+        expected = step()
+        assert torch.equal(k_replayed, k_cache) and torch.equal(v_replayed, v_cache)
+        assert torch.equal(out_replayed, expected)
