@@ -77,6 +77,7 @@ class RunArgs(NamedTuple):
     cu_seqlens_k: Optional[torch.Tensor] = None  # varlen; with kv_lengths: keys per entry
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    page_table: Optional[torch.Tensor] = None  # paged KV (FwdConfig.page_size): (batch, max_pages) int32
 
 
 # ----------------------------------------------------------------------------------------
@@ -187,6 +188,11 @@ class FwdConfig(_WarpSpecialized):
     # and its LSE to partial buffers that kernels/combine.py merges. For grids too small
     # for the GPU (decode, short prefill against long caches): launcher.choose_splits.
     split_kv: bool = False
+    # Paged KV cache (with AttnFeatures.kv_lengths): K and V arrive as one sequence of
+    # pages of page_size keys, and entry b's logical block n is read from page
+    # page_table[b, n * tile_n // page_size]. 0: contiguous. Whole-tile pages only for now
+    # (a multiple of tile_n): one TMA box per block, at a block index the producer looks up.
+    page_size: int = 0
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -197,6 +203,8 @@ class FwdConfig(_WarpSpecialized):
             raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16, got {self.tile_n}")
+        if self.page_size % self.tile_n:
+            raise ValueError(f"page_size must be 0 or a multiple of tile_n ({self.tile_n}), got {self.page_size}")
 
 
 

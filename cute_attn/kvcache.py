@@ -60,6 +60,8 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
         window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits,
         return_lse=return_lse, check_inputs=check_inputs)
     if page_table is not None:
+        # the kernel side exists (FwdConfig.page_size, whole-tile pages; compile-tested) and
+        # _append_paged below; both wait for their GPU tests before this opens
         raise NotImplementedError("mha_with_kvcache: a paged cache (page_table) is not supported yet; "
                                   "pass a contiguous (batch, seqlen_cache, nheads_kv, headdim) cache")
     capacity = problem.capacity
@@ -86,6 +88,23 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, capacity):
     rows = torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_new)
     k_cache.index_put_((rows, positions), k)
     v_cache.index_put_((rows, positions), v)
+    return (start + seqlen_new).clamp_(max=capacity).to(torch.int32)
+
+
+def _append_paged(k_pages, v_pages, k, v, cache_seqlens, page_table):
+    """_append for a paged cache (num_pages, page_size, nheads_kv, headdim): logical
+    position p of entry b is row p % page_size of page page_table[b, p // page_size].
+    Positions are clamped into the entry's max_pages * page_size, and page indices into
+    [0, num_pages), so nothing outside the pages is written (check_inputs catches both)."""
+    batch, seqlen_new = k.shape[0], k.shape[1]
+    num_pages, page_size = k_pages.shape[0], k_pages.shape[1]
+    capacity = page_table.shape[1] * page_size
+    start = cache_seqlens.long().clamp(0, capacity)
+    positions = (start[:, None] + torch.arange(seqlen_new, device=k.device)).clamp_(max=capacity - 1)
+    pages = page_table.long().gather(1, positions // page_size).clamp_(0, num_pages - 1)
+    rows = positions % page_size
+    k_pages.index_put_((pages, rows), k)
+    v_pages.index_put_((pages, rows), v)
     return (start + seqlen_new).clamp_(max=capacity).to(torch.int32)
 
 

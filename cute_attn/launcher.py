@@ -135,8 +135,12 @@ def _fake_fwd_args(key: FwdKey):
     else:
         o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o")
         lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
+    page_table = cute.runtime.make_fake_tensor(
+        cutlass.Int32, (cute.sym_int32(symbol="pt_batch"), cute.sym_int32(symbol="max_pages")),
+        stride=(cute.sym_int64(symbol="pt_stride0"), 1), assumed_align=4,
+    )
     return (
-        q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"),
+        q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), page_table,
         *_fake_run_args(), cutlass.Int32(1), _fake_stream(),
     )
 
@@ -161,8 +165,9 @@ def _compile(kernel, fake_args, extra_options: str, key):
 
 def compile_fwd(key: FwdKey, extra_options: str = ""):
     """Compile one forward specialisation; returns the TVM-FFI callable
-    f(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, softcap,
-    window_left, window_right, num_splits) (split-KV: out and lse are the partials)."""
+    f(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, page_table, max_seqlen_q,
+    softmax_scale, softcap, window_left, window_right, num_splits) (split-KV: out and lse
+    are the partials; page_table is read only by a paged specialisation)."""
     from cute_attn.kernels.fwd_sm90 import FlashFwdSm90
 
     _check_capability("fwd", key)
@@ -281,13 +286,29 @@ def run_fwd(
     window_left, window_right = args.window
     if features.varlen:
         fn(q[None], k[None], v[None], out[None], lse[None], args.cu_seqlens_q, args.cu_seqlens_k,
-           args.max_seqlen_q, args.softmax_scale, args.softcap, window_left, window_right, 1)
+           _unused_page_table(device), args.max_seqlen_q, args.softmax_scale, args.softcap, window_left,
+           window_right, 1)
     else:
         unused = _unused_cu_seqlens(device)
         kv_lengths = args.cu_seqlens_k if features.kv_lengths else unused
-        fn(q, k, v, out, lse, unused, kv_lengths, args.max_seqlen_q, args.softmax_scale, args.softcap,
-           window_left, window_right, 1)
+        fn(q, k, v, out, lse, unused, kv_lengths, _page_table(args, device), args.max_seqlen_q,
+           args.softmax_scale, args.softcap, window_left, window_right, 1)
     return out, (lse if need_lse else None)
+
+
+def _page_table(args: RunArgs, device):
+    return args.page_table if args.page_table is not None else _unused_page_table(device)
+
+
+_unused_page_tables: dict = {}
+
+
+def _unused_page_table(device):
+    # unpaged kernels never read it; one per device avoids a per-call allocation
+    t = _unused_page_tables.get(device)
+    if t is None:
+        t = _unused_page_tables[device] = torch.zeros((1, 1), dtype=torch.int32, device=device)
+    return t
 
 
 def _lse_shape(q, features: AttnFeatures):
@@ -374,8 +395,8 @@ def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, config: FwdCo
     o_part = torch.empty((num_splits * batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=device)
     lse_part = torch.empty((num_splits * batch, heads, seqlen_q), dtype=torch.float32, device=device)
     window_left, window_right = args.window
-    fn(q4, k4, v4, o_part, lse_part, cu_q, cu_k, args.max_seqlen_q, args.softmax_scale, args.softcap,
-       window_left, window_right, num_splits)
+    fn(q4, k4, v4, o_part, lse_part, cu_q, cu_k, _page_table(args, device), args.max_seqlen_q,
+       args.softmax_scale, args.softcap, window_left, window_right, num_splits)
     output = DTYPE_OF_INPUT[q.dtype].output
     out = torch.empty_like(q) if output is q.dtype else torch.empty_like(q, dtype=output)
     shape = _lse_shape(q, features)

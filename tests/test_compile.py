@@ -334,3 +334,36 @@ def test_split_combine_compiles(dtype, varlen):
     assert ".target sm_90a" in ptx
     assert "ex2.approx" in ptx and "lg2.approx" in ptx
     assert "st.global.b16" in ptx and "st.global.b32" in ptx  # O (16-bit), LSE (fp32)
+
+
+@pytest.mark.parametrize("page_size", [128, 256])
+@pytest.mark.parametrize("split", [False, True])
+def test_paged_kv_forward_compiles_and_reads_the_page_table(page_size, split):
+    """FwdConfig.page_size (whole-tile pages, with kv_lengths): compiles spill-free, and
+    its producer reads the page table (32-bit global loads the unpaged kernel lacks)."""
+    import dataclasses
+
+    from cute_attn import launcher
+    from cute_attn.config import fwd_config_for
+
+    features = AttnFeatures(mask="causal", kv_lengths=True)
+    base = dataclasses.replace(fwd_config_for(128, features, 4), split_kv=split)
+    paged = launcher.compile_fwd(
+        launcher.FwdKey("bf16", 128, features, dataclasses.replace(base, page_size=page_size)), "--keep-ptx").__ptx__
+    plain = launcher.compile_fwd(launcher.FwdKey("bf16", 128, features, base), "--keep-ptx").__ptx__
+    loads = re.compile(r"ld\.global(\.nc)?\.(u|s|b)32")
+    assert len(loads.findall(paged)) > len(loads.findall(plain))
+    report = ptx_tool.ptxas_report(paged)
+    if "ptxas not found" not in report:
+        m = re.search(r"(\d+) bytes spill stores", report)
+        assert m and int(m.group(1)) == 0, report
+
+
+def test_page_size_must_be_whole_tiles():
+    import dataclasses
+
+    from cute_attn.config import fwd_config_for
+
+    base = fwd_config_for(128, AttnFeatures(kv_lengths=True))
+    with pytest.raises(ValueError, match="page_size"):
+        dataclasses.replace(base, page_size=64)

@@ -114,3 +114,23 @@ def test_flash_attn_with_kvcache_refuses_what_it_cannot_do(launcher, name):
     with pytest.raises(NotImplementedError, match=name):
         cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, **{name: torch.zeros(3)})
     assert launcher.calls == []
+
+
+def test_paged_append_writes_through_the_page_table():
+    """kvcache._append_paged (the paged path's append, ahead of the API opening it):
+    positions land in the pages the table names, the rest of the pages is untouched,
+    and the new lengths are cache_seqlens + seqlen_new."""
+    from cute_attn.kvcache import _append_paged
+    from cute_attn.kvcache_reference import append_to_cache
+
+    g = torch.Generator().manual_seed(1)
+    pages_k = torch.randn(10, 16, 2, 64, generator=g).to(torch.bfloat16)
+    pages_v = torch.randn(10, 16, 2, 64, generator=g).to(torch.bfloat16)
+    table = torch.tensor([[7, 2, 9, 0], [4, 1, 3, 5]], dtype=torch.int32)
+    lengths = torch.tensor([15, 33], dtype=torch.int32)  # entry 0 crosses a page boundary
+    k, v = (torch.randn(2, 3, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    ref_k, ref_v = append_to_cache(pages_k, pages_v, lengths, k, v, page_table=table)
+    new = _append_paged(pages_k, pages_v, k, v, lengths, table)
+    assert torch.equal(pages_k, ref_k) and torch.equal(pages_v, ref_v)
+    assert new.tolist() == [18, 36] and new.dtype == torch.int32
+    assert torch.equal(pages_k[7, 15], k[0, 0]) and torch.equal(pages_k[2, 0], k[0, 1])

@@ -68,8 +68,11 @@ class SeqlenInfo(Staged):
         b = self.batch if batch is None else batch
         return self._rows(mX[None, None, head, b], self.offset_q)
 
-    def rows_k(self, mX: cute.Tensor, head):
-        return self._rows(mX[None, None, head, self.batch], self.offset_k)
+    def rows_k(self, mX: cute.Tensor, head, batch=None):
+        """As rows_q for the keys; batch: another index of the batch mode (a paged cache
+        is one sequence of pages, batch 0)."""
+        b = self.batch if batch is None else batch
+        return self._rows(mX[None, None, head, b], self.offset_k)
 
     def stats_q(self, mX: cute.Tensor, head, batch=None):
         """(seqlen, heads, batch) per-row tensor (the forward's LSE) -> this sequence's

@@ -41,6 +41,9 @@ Features (config.AttnFeatures, one specialisation each; their values are run-tim
   * softcap: S <- tanh(S * scale / softcap) before the mask, softmax scaled by softcap.
   * kv_lengths: a KV cache, whose entry b uses its first cu_seqlens_k[b] keys (the
     argument slot holds those lengths, blocks/seqlen.py); masks align to that length.
+    With FwdConfig.page_size the cache is paged: K and V are one sequence of pages and
+    the producer loads logical block n of entry b from page page_table[b, ...]
+    (physical_block); whole-tile pages for now.
   * varlen: packed sequences located by cu_seqlens (blocks/seqlen.py); tiles past a
     sequence's end exit at once, and O leaves row by row instead of by TMA so that a
     partial tile never writes into the next sequence.
@@ -97,6 +100,7 @@ class FwdGlobals(NamedTuple):
     lse: cute.Tensor  # (seqlen_q, heads, batch) float32
     cu_seqlens_q: cute.Tensor  # (batch + 1,) int32; varlen only (else unread)
     cu_seqlens_k: cute.Tensor
+    page_table: cute.Tensor  # (batch, max_pages) int32; paged KV only (else unread)
 
 
 class FwdLayouts(NamedTuple):
@@ -152,6 +156,8 @@ class FlashFwdSm90:
         self.producer_regs, self.mma_regs = config.registers
         self.pack_gqa = config.pack_gqa
         self.split_kv = config.split_kv
+        self.page_size = config.page_size
+        assert self.page_size == 0 or features.kv_lengths, "a paged cache needs kv_lengths"
         assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
         # causal-like masks: the last query blocks see the most keys, so they go first
         self.scheduler = TileScheduler(
@@ -169,6 +175,7 @@ class FlashFwdSm90:
         # split-KV: (num_splits * batch, heads, seqlen_q)
         mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32; varlen only (else unread)
         mCuSeqlensK: cute.Tensor,
+        mPageTable: cute.Tensor,  # paged KV: (batch, max_pages) int32 (else unread)
         max_seqlen_q: Int32,  # varlen: the longest query sequence (sizes the grid)
         softmax_scale: Float32,
         softcap: Float32,  # with features.softcap
@@ -204,7 +211,7 @@ class FlashFwdSm90:
             k=make_tma_tensor(load_op, mK, kv_stage, (self.tile_n, d)),
             v=make_tma_tensor(load_op, mV, cute.select(layouts.sV, mode=[0, 1]), (self.tile_n, d)),
             o=self._o_store(mO, layouts.sQ, q_tma),
-            o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK,
+            o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, page_table=mPageTable,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, layouts.sQ)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage)
@@ -297,8 +304,12 @@ class FlashFwdSm90:
         head_kv = head // (g.q.tensor.shape[2] // g.k.tensor.shape[2])
         d = self.head_dim
         gQ = cute.local_tile(seqlen.rows_q(g.q.tensor, head), (self.tile_m, d), (m_block, 0))
-        gK = cute.local_tile(seqlen.rows_k(g.k.tensor, head_kv), (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(seqlen.rows_k(g.v.tensor, head_kv), (self.tile_n, d), (None, 0))
+        # a paged cache is one sequence of pages (batch 0), blocks found by physical_block
+        kv_batch = seqlen.batch
+        if cutlass.const_expr(self.page_size > 0):
+            kv_batch = Int32(0)
+        gK = cute.local_tile(seqlen.rows_k(g.k.tensor, head_kv, kv_batch), (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(seqlen.rows_k(g.v.tensor, head_kv, kv_batch), (self.tile_n, d), (None, 0))
         tQsQ, tQgQ = tma_partition(g.q, smem.q, gQ)
         tKsK, tKgK = tma_partition(g.k, smem.k, gK)
         tVsV, tVgV = tma_partition(g.v, smem.v, gV)
@@ -311,22 +322,34 @@ class FlashFwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         load_k = (g.k.atom, tKgK, tKsK, pipes.k)
         load_v = (g.v.atom, tVgV, tVsV, pipes.v)
+        b = seqlen.batch
         if n_block_max > n_block_min:
-            self.load_kv(*load_k, kv_state, n_block_max - 1)
+            self.load_kv(*load_k, kv_state, self.physical_block(g, b, n_block_max - 1))
             if cutlass.const_expr(not self.intra_wg_overlap):
-                self.load_kv(*load_v, kv_state, n_block_max - 1)
+                self.load_kv(*load_v, kv_state, self.physical_block(g, b, n_block_max - 1))
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                 n_block = n_block_max - 2 - i
                 prev_state = kv_state.clone()
                 kv_state.advance()
-                self.load_kv(*load_k, kv_state, n_block)
+                self.load_kv(*load_k, kv_state, self.physical_block(g, b, n_block))
                 if cutlass.const_expr(self.intra_wg_overlap):
                     # V runs one block behind K, matching the consumers' order
-                    self.load_kv(*load_v, prev_state, n_block + 1)
+                    self.load_kv(*load_v, prev_state, self.physical_block(g, b, n_block + 1))
                 else:
-                    self.load_kv(*load_v, kv_state, n_block)
+                    self.load_kv(*load_v, kv_state, self.physical_block(g, b, n_block))
             if cutlass.const_expr(self.intra_wg_overlap):
-                self.load_kv(*load_v, kv_state, n_block_min)
+                self.load_kv(*load_v, kv_state, self.physical_block(g, b, n_block_min))
+
+    @cute.jit
+    def physical_block(self, g: FwdGlobals, batch, n_block):
+        """The KV block to load for logical block n_block of entry `batch`: itself for a
+        contiguous cache; for a paged one, block (n_block mod blocks per page) of page
+        page_table[batch, n_block / blocks per page] in the sequence of pages."""
+        block = n_block
+        if cutlass.const_expr(self.page_size > 0):
+            per_page = self.page_size // self.tile_n
+            block = g.page_table[batch, n_block // per_page] * per_page + n_block % per_page
+        return block
 
     @cute.jit
     def load_kv(self, tma_atom, tXgX, tXsX, pipeline_x, state, n_block):
