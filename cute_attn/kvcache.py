@@ -26,7 +26,7 @@ _features: dict = {}
 
 def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
                      v: Optional[Tensor] = None, *, cache_seqlens: Tensor, page_table: Optional[Tensor] = None,
-                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     causal: bool = False, window_size: tuple[int, int] = api._NO_WINDOW, softcap: float = 0.0,
                      softmax_scale: Optional[float] = None, num_splits: int = 0, return_lse: bool = False,
                      check_inputs: bool = False) -> Union[Tensor, _TensorPair]:
     """Attention of q against a KV cache, after appending k, v to it (not differentiable).
@@ -74,8 +74,15 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
         out = torch.zeros_like(q)
         lse = q.new_full((problem.batch, problem.nheads, problem.seqlen_q), float("-inf"), dtype=torch.float32)
         return (out, lse) if problem.return_lse else out
-    out, lse = api._launcher().run_fwd(q, k_cache, v_cache, features, run_args, need_lse=problem.return_lse,
-                                       num_splits=problem.num_splits or None)
+    if api._traced(q):
+        # torch.compile / FakeTensorMode: the attention through its custom op (the append
+        # above is ordinary torch ops, which the tracer records as mutations of the caches)
+        from cute_attn import ops
+
+        out, lse = ops.attention_kvcache(q, k_cache, v_cache, features, run_args, problem.num_splits)
+    else:
+        out, lse = api._launcher().run_fwd(q, k_cache, v_cache, features, run_args, need_lse=problem.return_lse,
+                                           num_splits=problem.num_splits or None)
     return (out, lse) if problem.return_lse else out
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from cute_attn.api import _NO_WINDOW
 from cute_attn.validation import (
     _BOOL_TYPES,
     _capturing_cuda_graph,
@@ -68,7 +69,7 @@ class KvcacheProblem(NamedTuple):
 
 
 def validate_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
-                            page_table=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            page_table=None, causal=False, window_size=_NO_WINDOW, softcap=0.0,
                             softmax_scale=None, num_splits=0, return_lse=False,
                             check_inputs=False):
     """Raise TypeError/ValueError if the arguments of mha_with_kvcache cannot go to the
@@ -87,8 +88,10 @@ def validate_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     causal, return_lse, _ = validate_flags(causal, return_lse, False)
     if not isinstance(check_inputs, _BOOL_TYPES):
         raise TypeError(f"check_inputs must be a bool (True or False), got {type(check_inputs).__name__} {check_inputs!r}")
-    window = validate_window_size(window_size)
-    softcap = validate_softcap(softcap)
+    # the defaults skip their checks, as in api._window_and_softcap: the common call pays
+    # nothing, and torch.compile need not trace math.isfinite on them
+    window = window_size if window_size is _NO_WINDOW else validate_window_size(window_size)
+    softcap = softcap if (type(softcap) is float and softcap == 0.0) else validate_softcap(softcap)
     _check_num_splits(num_splits)
 
     tensors = _check_tensors(q, k_cache, v_cache, k, v, paged=page_table is not None)

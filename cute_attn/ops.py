@@ -13,6 +13,8 @@ through `register_autograd`:
                           SymInt max_seqlen_q, SymInt max_seqlen_k, <the same six>)
     cute_attn::bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, <the same six>)
+    cute_attn::fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k,
+                           <the first five of the six>, int num_splits) -> (out, lse)
 
 The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
 builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
@@ -37,7 +39,7 @@ from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, AttnFeatures, DtypeP
 from cute_attn import validation
 from cute_attn.validation import _layout_problem, prepare_dout
 
-__all__ = ["attention", "fwd", "bwd", "fwd_varlen", "bwd_varlen"]
+__all__ = ["attention", "attention_kvcache", "fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_kvcache"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -148,6 +150,26 @@ def _bwd_varlen_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                    deterministic=deterministic)
 
 
+def _fwd_kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tensor, mask: str,
+                      softmax_scale: float, softcap: float, window_left: int, window_right: int,
+                      num_splits: int) -> tuple[Tensor, Tensor]:
+    """(out, lse) of mha_with_kvcache's attention (after its append, which is ordinary
+    torch ops): entry b attends to its first seqlens_k[b] keys of the contiguous cache;
+    num_splits 0 lets the launcher choose."""
+    _check_pointers("q", q, "k_cache", k_cache, "v_cache", v_cache)
+    features = _kvcache_features(mask, softcap)
+    run_args = RunArgs(softmax_scale, softcap, (window_left, window_right), None, seqlens_k)
+    return api._launcher().run_fwd(q, k_cache, v_cache, features, run_args, num_splits=num_splits or None)
+
+
+def _kvcache_features(mask, softcap):
+    key = (mask, softcap > 0, "kv_lengths")
+    features = _features.get(key)
+    if features is None:
+        features = _features[key] = AttnFeatures(mask=mask, softcap=key[1], kv_lengths=True)
+    return features
+
+
 # The ops run their real implementations on CUDA tensors only (the CPU tests register
 # the same functions for the CPU, with a stand-in launcher)
 fwd = torch.library.custom_op("cute_attn::fwd", _fwd_impl, mutates_args=(), device_types="cuda")
@@ -156,6 +178,8 @@ fwd_varlen = torch.library.custom_op("cute_attn::fwd_varlen", _fwd_varlen_impl, 
                                      device_types="cuda")
 bwd_varlen = torch.library.custom_op("cute_attn::bwd_varlen", _bwd_varlen_impl, mutates_args=(),
                                      device_types="cuda")
+fwd_kvcache = torch.library.custom_op("cute_attn::fwd_kvcache", _fwd_kvcache_impl, mutates_args=(),
+                                      device_types="cuda")
 
 
 # ----------------------------------------------------------------------------------------
@@ -180,6 +204,12 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, sof
       softcap, window_left, window_right, deterministic):
     total_q, heads, _ = q.shape
     return _fake_out(q), q.new_empty((heads, total_q), dtype=torch.float32)
+
+
+@fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, seqlens_k, mask, softmax_scale, softcap, window_left, window_right, num_splits):
+    batch, seqlen_q, heads, _ = q.shape
+    return _fake_out(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
 def _fake_grads(dout, q, k, v, *rest):
@@ -234,6 +264,15 @@ fwd_varlen.register_autograd(_backward_fwd_varlen, setup_context=_setup_fwd_varl
 # ----------------------------------------------------------------------------------------
 # The call api._run makes while traced
 # ----------------------------------------------------------------------------------------
+
+
+def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, features: AttnFeatures, run_args: RunArgs,
+                      num_splits: int) -> tuple[Tensor, Tensor]:
+    """mha_with_kvcache's attention through cute_attn::fwd_kvcache (the key counts per
+    entry ride in run_args.cu_seqlens_k, as the launcher takes them)."""
+    left, right = run_args.window
+    return fwd_kvcache(q, k_cache, v_cache, run_args.cu_seqlens_k, features.mask, run_args.softmax_scale,
+                       run_args.softcap, left, right, num_splits)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_args: RunArgs,

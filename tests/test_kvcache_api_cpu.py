@@ -134,3 +134,112 @@ def test_paged_append_writes_through_the_page_table():
     assert torch.equal(pages_k, ref_k) and torch.equal(pages_v, ref_v)
     assert new.tolist() == [18, 36] and new.dtype == torch.int32
     assert torch.equal(pages_k[7, 15], k[0, 0]) and torch.equal(pages_k[2, 0], k[0, 1])
+
+
+# ----------------------------------------------------------------------------------------
+# cute_attn::fwd_kvcache: the custom op mha_with_kvcache takes while traced
+# ----------------------------------------------------------------------------------------
+
+
+class ReferenceLauncher:
+    """run_fwd for kv_lengths features by the KV-cache reference (lengths in the
+    cu_seqlens_k slot), allocated like the real launcher's."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def run_fwd(self, q, k, v, features, args, config=None, need_lse=True, num_splits=None):
+        from cpu_standin import ref_kwargs
+
+        from cute_attn.kvcache_reference import kvcache_attention_ref
+
+        assert features.kv_lengths
+        self.calls += 1
+        out, lse, _, _ = kvcache_attention_ref(q, k, v, args.cu_seqlens_k, **ref_kwargs(features, args))
+        result = torch.empty_like(q)
+        result.copy_(out)
+        return result, lse.float().contiguous()
+
+
+_registered = []
+
+
+@pytest.fixture
+def reference_op(monkeypatch):
+    import cute_attn.ops as ops
+
+    if not _registered:
+        torch.library.register_kernel("cute_attn::fwd_kvcache", "cpu", ops._fwd_kvcache_impl)
+        _registered.append(True)
+    rec = ReferenceLauncher()
+    monkeypatch.setattr(api, "_launcher_module", rec)
+    monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
+    return rec
+
+
+def test_fwd_kvcache_schema_and_opcheck(reference_op):
+    schema = str(torch.ops.cute_attn.fwd_kvcache.default._schema)
+    assert schema == ("cute_attn::fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, str mask, "
+                      "float softmax_scale, float softcap, SymInt window_left, SymInt window_right, "
+                      "SymInt num_splits) -> (Tensor, Tensor)")
+    q, k_cache, v_cache, _, _ = _inputs()
+    args = (q.float(), k_cache.float(), v_cache.float(), torch.tensor([5, 0, 64], dtype=torch.int32), "causal",
+            0.125, 0.0, UNBOUNDED, 0, 0)
+    torch.library.opcheck(torch.ops.cute_attn.fwd_kvcache.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_fake_tensors_take_the_op(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Trap:
+        def __getattr__(self, name):
+            pytest.fail(f"launcher.{name} reached with fake tensors")
+
+    # fake CPU tensors (a CPU-only torch cannot make fake CUDA ones with arange), with the
+    # device check off: the point is that the launcher is never reached
+    monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
+    monkeypatch.setattr(api, "_launcher_module", Trap())
+    with FakeTensorMode():
+        q = torch.empty(3, 4, 16, 128, dtype=torch.bfloat16)
+        k_cache, v_cache = (torch.empty(3, 1000, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.empty(3, 4, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+        lengths = torch.empty(3, dtype=torch.int32)
+        out, lse = cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                              return_lse=True)
+        assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (3, 16, 4)
+
+
+def test_compiled_decode_step_equals_eager(reference_op):
+    """A decode step (append + attention) under torch.compile(fullgraph, dynamic) with
+    aot_eager: no graph break, the same caches and outputs as eager, and new lengths do
+    not recompile."""
+    torch._dynamo.reset()
+    compiles = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        cid = torch._guards.CompileContext.current_compile_id()
+        compiles.append((cid.frame_id, cid.frame_compile_id))
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    def step(q, k_cache, v_cache, k, v, lengths):
+        return cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+    try:
+        for lengths in ([0, 10, 62], [5, 40, 1]):
+            q, k_cache, v_cache, k, v = _inputs()
+            twins = (k_cache.clone(), v_cache.clone())
+            seqlens = torch.tensor(lengths, dtype=torch.int32)
+            out = compiled(q, k_cache, v_cache, k, v, seqlens)
+            expected = step(q, *twins, k, v, seqlens)
+            assert torch.equal(k_cache, twins[0]) and torch.equal(v_cache, twins[1])
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        # one compile (dynamo may hand a first compile over twice under one id when it
+        # restarts its analysis; a recompile would have a new id)
+        assert set(compiles) == {(0, 0)}, compiles
+    finally:
+        torch._dynamo.reset()
