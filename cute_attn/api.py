@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union, overload
 import torch
 from torch import Tensor
 
-from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, UNBOUNDED, AttnFeatures, RunArgs
+from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, UNBOUNDED, AttnFeatures, RunArgs, attn_features
 from cute_attn.validation import (
     _is_compiling,
     pointer_unknown,
@@ -218,7 +218,7 @@ def _features_and_args(causal, window, softcap, scale, varlen=None):
     if mask != "local" and softcap == 0.0 and varlen is None:
         return (CAUSAL if mask == "causal" else DENSE), RunArgs(scale)
     window = (UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)
-    features = AttnFeatures(mask=mask, softcap=softcap > 0, varlen=varlen is not None)
+    features = attn_features(mask, softcap > 0, varlen is not None)
     if varlen is None:
         return features, RunArgs(scale, softcap, window)
     cu_q, cu_k, max_q, max_k = varlen

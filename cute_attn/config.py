@@ -65,6 +65,20 @@ class AttnFeatures:
 DENSE = AttnFeatures()
 CAUSAL = AttnFeatures(mask="causal")
 
+_interned: dict = {(f.mask, f.softcap, f.varlen, f.kv_lengths): f for f in (DENSE, CAUSAL)}
+
+
+def attn_features(mask: str = "none", softcap: bool = False, varlen: bool = False,
+                  kv_lengths: bool = False) -> AttnFeatures:
+    """The one shared AttnFeatures of this combination (DENSE and CAUSAL for the plain
+    ones): every entry point (api, ops, kvcache) asks here, so a call builds no object
+    and the launcher's per-features lookups hash an object seen before."""
+    key = (mask, bool(softcap), bool(varlen), bool(kv_lengths))
+    features = _interned.get(key)
+    if features is None:  # AttnFeatures rejects an unknown mask
+        features = _interned[key] = AttnFeatures(mask=mask, softcap=key[1], varlen=key[2], kv_lengths=key[3])
+    return features
+
 
 class RunArgs(NamedTuple):
     """The run-time values of one call beyond its tensors (none of them is in a compile

@@ -16,12 +16,10 @@ import torch
 from torch import Tensor
 
 from cute_attn import api
-from cute_attn.config import AttnFeatures, RunArgs
+from cute_attn.config import RunArgs, attn_features
 from cute_attn.kvcache_checks import validate_kvcache_inputs
 
 _TensorPair = tuple[Tensor, Tensor]
-# (mask, softcap on) -> the kv_lengths features of a call
-_features: dict = {}
 
 
 def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
@@ -61,18 +59,16 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
         return_lse=return_lse, check_inputs=check_inputs)
     if page_table is not None:
         # the kernel side exists (FwdConfig.page_size, whole-tile pages; compile-tested) and
-        # _append_paged below; both wait for their GPU tests before this opens
+        # _append takes a page table; both wait for their GPU tests before this opens
         raise NotImplementedError("mha_with_kvcache: a paged cache (page_table) is not supported yet; "
                                   "pass a contiguous (batch, seqlen_cache, nheads_kv, headdim) cache")
-    capacity = problem.capacity
     lengths = cache_seqlens
     if problem.seqlen_new:
-        lengths = _append(k_cache, v_cache, k, v, cache_seqlens, capacity)
+        lengths = _append(k_cache, v_cache, k, v, cache_seqlens)
     scale = float(softmax_scale) if softmax_scale is not None else problem.head_dim ** -0.5
     features, run_args = _features_and_args(problem, scale, lengths)
     if problem.batch == 0 or problem.seqlen_q == 0 or problem.nheads == 0:
-        out = torch.zeros_like(q)
-        lse = q.new_full((problem.batch, problem.nheads, problem.seqlen_q), float("-inf"), dtype=torch.float32)
+        out, lse = api._outputs_without_kernel(q, features)
         return (out, lse) if problem.return_lse else out
     if api._traced(q):
         # torch.compile / FakeTensorMode: the attention through its custom op (the append
@@ -86,32 +82,25 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
     return (out, lse) if problem.return_lse else out
 
 
-def _append(k_cache, v_cache, k, v, cache_seqlens, capacity):
-    """Write k, v at each entry's cache_seqlens[b] + j, on the device (no host read), and
-    return the entries' new lengths as int32. Positions are clamped into [0, capacity)."""
+def _append(k_cache, v_cache, k, v, cache_seqlens, page_table=None):
+    """Write k, v at each entry's positions cache_seqlens[b] + j, on the device (no host
+    read), and return the entries' new lengths as int32. Contiguous cache: row j of entry
+    b. Paged cache (num_pages, page_size, nheads_kv, headdim): position p of entry b is
+    row p % page_size of page page_table[b, p // page_size]. Positions are clamped into
+    the entry's capacity and page indices into [0, num_pages), so nothing outside the
+    cache is written (check_inputs reports both instead)."""
     batch, seqlen_new = k.shape[0], k.shape[1]
+    page_size = k_cache.shape[1]
+    capacity = page_size if page_table is None else page_table.shape[1] * page_size
     start = cache_seqlens.long().clamp(0, capacity)
     positions = (start[:, None] + torch.arange(seqlen_new, device=k.device)).clamp_(max=capacity - 1)
-    rows = torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_new)
-    k_cache.index_put_((rows, positions), k)
-    v_cache.index_put_((rows, positions), v)
-    return (start + seqlen_new).clamp_(max=capacity).to(torch.int32)
-
-
-def _append_paged(k_pages, v_pages, k, v, cache_seqlens, page_table):
-    """_append for a paged cache (num_pages, page_size, nheads_kv, headdim): logical
-    position p of entry b is row p % page_size of page page_table[b, p // page_size].
-    Positions are clamped into the entry's max_pages * page_size, and page indices into
-    [0, num_pages), so nothing outside the pages is written (check_inputs catches both)."""
-    batch, seqlen_new = k.shape[0], k.shape[1]
-    num_pages, page_size = k_pages.shape[0], k_pages.shape[1]
-    capacity = page_table.shape[1] * page_size
-    start = cache_seqlens.long().clamp(0, capacity)
-    positions = (start[:, None] + torch.arange(seqlen_new, device=k.device)).clamp_(max=capacity - 1)
-    pages = page_table.long().gather(1, positions // page_size).clamp_(0, num_pages - 1)
-    rows = positions % page_size
-    k_pages.index_put_((pages, rows), k)
-    v_pages.index_put_((pages, rows), v)
+    if page_table is None:
+        index = (torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_new), positions)
+    else:
+        pages = page_table.long().gather(1, positions // page_size).clamp_(0, k_cache.shape[0] - 1)
+        index = (pages, positions % page_size)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
     return (start + seqlen_new).clamp_(max=capacity).to(torch.int32)
 
 
@@ -119,8 +108,5 @@ def _features_and_args(problem, scale, lengths):
     """api._features_and_args's (features, run args) with kv_lengths: the per-entry key
     counts ride in the cu_seqlens_k slot."""
     plain, run_args = api._features_and_args(problem.causal, problem.window_size, problem.softcap, scale)
-    key = (plain.mask, plain.softcap)
-    features = _features.get(key)
-    if features is None:
-        features = _features[key] = AttnFeatures(mask=plain.mask, softcap=plain.softcap, kv_lengths=True)
+    features = attn_features(plain.mask, plain.softcap, kv_lengths=True)
     return features, RunArgs(run_args.softmax_scale, run_args.softcap, run_args.window, None, lengths)

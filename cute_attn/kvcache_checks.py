@@ -33,6 +33,7 @@ from cute_attn.validation import (
     _check_rank,
     _is_int,
     validate_flags,
+    validate_gqa_heads,
     validate_softcap,
     validate_window_size,
 )
@@ -181,7 +182,7 @@ def _check_caches(q, k_cache, v_cache, page_table):
         page_size, num_pages = _check_paged_cache(q, k_cache, page_table)
         capacity = page_table.shape[1] * page_size
     _check_equal("v_cache", "shape", tuple(v_cache.shape), tuple(k_cache.shape), ref="k_cache")
-    _check_cache_heads(q.shape[2], k_cache.shape[2])
+    validate_gqa_heads(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     return capacity, page_size, num_pages
 
 
@@ -216,16 +217,6 @@ def _check_paged_cache(q, k_cache, page_table):
         )
     _check_same_device("page_table", page_table, q)
     return page_size, k_cache.shape[0]
-
-
-def _check_cache_heads(nheads, nheads_kv):
-    """nheads_kv dividing nheads (GQA/MQA), validation.validate_gqa_heads' rule under the
-    cache's name."""
-    if nheads and (nheads_kv < 1 or nheads % nheads_kv):
-        raise ValueError(
-            f"k_cache nheads must divide q nheads ({nheads}): each group of q nheads / "
-            f"k_cache nheads query heads shares one k/v head (GQA/MQA), got {nheads_kv}"
-        )
 
 
 def _check_new_tokens(q, k_cache, k, v, capacity, paged):

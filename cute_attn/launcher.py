@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from cute_attn import split_heuristic
 from cute_attn.config import (
     CAPABILITIES,
     DTYPE_OF_INPUT,
@@ -125,13 +126,7 @@ def _fake_fwd_args(key: FwdKey):
     q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
     k, v = (_fake_bshd(key.dtype, n.batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
     if key.config.split_kv:
-        parts = cute.sym_int32(symbol="partial_batch")
-        o = cute.runtime.make_fake_tensor(
-            cutlass.Float32, (parts, n.seqlen_q, n.heads, d),
-            stride=(*(cute.sym_int64(divisibility=4, symbol=f"opart_stride{i}") for i in range(3)), 1),
-            assumed_align=16,
-        )
-        lse = _fake_rowwise(parts, n.heads, n.seqlen_q, "lse_part")
+        o, lse = _fake_partials(n, d)
     else:
         o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o")
         lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
@@ -277,38 +272,64 @@ def run_fwd(
         return _run_fwd_split(q, k, v, features, args, config, num_splits, need_lse)
     if fn is None:
         fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
+    out, lse = _outputs(q, features, need_lse)
+    q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
+    out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
+    window_left, window_right = args.window
+    fn(q4, k4, v4, out4, lse3, cu_q, cu_k, _page_table(args, q.device), args.max_seqlen_q,
+       args.softmax_scale, args.softcap, window_left, window_right, 1)
+    return out, (lse if need_lse else None)
+
+
+def _outputs(q, features: AttnFeatures, need_lse: bool):
+    """(out, lse) for a forward: out like q (its stride order, the policy's output
+    dtype); lse float32, fresh, or the shared sink when the caller discards it."""
     output = DTYPE_OF_INPUT[q.dtype].output
     # empty_like without a dtype argument when it is q's: the cheaper call (~0.5 us)
     out = torch.empty_like(q) if output is q.dtype else torch.empty_like(q, dtype=output)
-    device = q.device
     shape = _lse_shape(q, features)
-    lse = torch.empty(shape, dtype=torch.float32, device=device) if need_lse else _lse_sink(device, shape)
-    window_left, window_right = args.window
+    lse = torch.empty(shape, dtype=torch.float32, device=q.device) if need_lse else _lse_sink(q.device, shape)
+    return out, lse
+
+
+def _kernel_inputs(q, k, v, features: AttnFeatures, args: RunArgs):
+    """(q, k, v, cu_seqlens_q, the cu_seqlens_k slot) as the forward kernels take them:
+    a packed batch as one (1, total, ...) sequence with its offsets; a dense one with
+    placeholders, or a KV cache's key counts in the second slot."""
     if features.varlen:
-        fn(q[None], k[None], v[None], out[None], lse[None], args.cu_seqlens_q, args.cu_seqlens_k,
-           _unused_page_table(device), args.max_seqlen_q, args.softmax_scale, args.softcap, window_left,
-           window_right, 1)
-    else:
-        unused = _unused_cu_seqlens(device)
-        kv_lengths = args.cu_seqlens_k if features.kv_lengths else unused
-        fn(q, k, v, out, lse, unused, kv_lengths, _page_table(args, device), args.max_seqlen_q,
-           args.softmax_scale, args.softcap, window_left, window_right, 1)
-    return out, (lse if need_lse else None)
+        return q[None], k[None], v[None], args.cu_seqlens_q, args.cu_seqlens_k
+    unused = _unused_cu_seqlens(q.device)
+    return q, k, v, unused, (args.cu_seqlens_k if features.kv_lengths else unused)
 
 
 def _page_table(args: RunArgs, device):
     return args.page_table if args.page_table is not None else _unused_page_table(device)
 
 
-_unused_page_tables: dict = {}
+# (device, shape) -> int32 zeros: arguments a specialisation takes but never reads
+_placeholders: dict = {}
+
+
+def _placeholder(device, shape):
+    """An int32 tensor a kernel takes but this specialisation never reads (the dense
+    kernels' cu_seqlens, the unpaged kernels' page table, the non-deterministic
+    backward's semaphore): one per device and shape, so no call allocates or memsets it."""
+    t = _placeholders.get((device, shape))
+    if t is None:
+        t = _placeholders[(device, shape)] = torch.zeros(shape, dtype=torch.int32, device=device)
+    return t
+
+
+def _unused_cu_seqlens(device):
+    return _placeholder(device, (2,))
 
 
 def _unused_page_table(device):
-    # unpaged kernels never read it; one per device avoids a per-call allocation
-    t = _unused_page_tables.get(device)
-    if t is None:
-        t = _unused_page_tables[device] = torch.zeros((1, 1), dtype=torch.int32, device=device)
-    return t
+    return _placeholder(device, (1, 1))
+
+
+def _unused_semaphore(device):
+    return _placeholder(device, (1, 1, 1))
 
 
 def _lse_shape(q, features: AttnFeatures):
@@ -337,8 +358,8 @@ def _num_sms(device) -> int:
 def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig) -> int:
     """split_heuristic.choose_num_splits for this call: work tiles (query tiles of packed
     rows x the heads a tile covers x batch) against the GPU's SMs, KV blocks of the
-    longest sequence. A grid of at least 0.8 x SMs tiles (most training calls) returns 1
-    after a few integer operations."""
+    longest sequence. A grid of at least FILL_FRACTION x SMs tiles (most training calls)
+    returns 1 after a few integer operations."""
     if features.varlen:
         batch = args.cu_seqlens_q.shape[0] - 1
         seqlen_q, seqlen_k, heads = args.max_seqlen_q, args.max_seqlen_k, q.shape[1]
@@ -348,12 +369,9 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
     pack = config.pack_gqa
     q_tiles = -(-(seqlen_q * pack) // config.tile_m)
     tiles = q_tiles * (heads // pack) * batch
-    device = q.device
-    sms = _num_sms(device) if device.type == "cuda" else 132
-    if tiles >= 0.8 * sms:
+    sms = _num_sms(q.device) if q.is_cuda else 132
+    if tiles >= split_heuristic.FILL_FRACTION * sms:  # most training calls: no further work
         return 1
-    from cute_attn import split_heuristic
-
     return split_heuristic.choose_num_splits(batch, heads // pack, q_tiles, -(-seqlen_k // config.tile_n),
                                              num_sms=sms)
 
@@ -379,17 +397,8 @@ def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, config: FwdCo
     fn, combine = _split_pair(q, features, config)
     head_dim = q.shape[-1]
     device = q.device
-    if features.varlen:
-        total_q, heads, _ = q.shape
-        batch, seqlen_q = 1, total_q
-        q4, k4, v4 = q[None], k[None], v[None]
-        cu_q, cu_k = args.cu_seqlens_q, args.cu_seqlens_k
-    else:
-        batch, seqlen_q, heads, _ = q.shape
-        q4, k4, v4 = q, k, v
-        cu_q = cu_k = _unused_cu_seqlens(device)
-        if features.kv_lengths:
-            cu_k = args.cu_seqlens_k
+    q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
+    batch, seqlen_q, heads, _ = q4.shape
     # the splits stacked on the batch mode (split s of entry b at s * batch + b), the
     # layout both kernels take: no views on the host path of a decode step
     o_part = torch.empty((num_splits * batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=device)
@@ -397,10 +406,7 @@ def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, config: FwdCo
     window_left, window_right = args.window
     fn(q4, k4, v4, o_part, lse_part, cu_q, cu_k, _page_table(args, device), args.max_seqlen_q,
        args.softmax_scale, args.softcap, window_left, window_right, num_splits)
-    output = DTYPE_OF_INPUT[q.dtype].output
-    out = torch.empty_like(q) if output is q.dtype else torch.empty_like(q, dtype=output)
-    shape = _lse_shape(q, features)
-    lse = torch.empty(shape, dtype=torch.float32, device=device) if need_lse else _lse_sink(device, shape)
+    out, lse = _outputs(q, features, need_lse)
     out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
     combine(o_part, lse_part, out4, lse3, cu_q, args.max_seqlen_q)
     return out, (lse if need_lse else None)
@@ -414,18 +420,27 @@ class CombineKey:
     arch: str = ARCH
 
 
-def _fake_combine_args(key: CombineKey):
-    """The split forward's partials (num_splits * batch, ...) with their own batch
-    symbol, then the combine's outputs."""
+def _fake_partials(n: "_Symbols", head_dim: int):
+    """The split forward's fp32 partial O and LSE, (num_splits * batch, ...) with a batch
+    symbol of their own: what it writes and the combine reads."""
     import cutlass
     import cutlass.cute as cute
 
-    n, d = _Symbols(), key.head_dim
     parts = cute.sym_int32(symbol="partial_batch")
-    o_strides = [cute.sym_int64(divisibility=4, symbol=f"opart_stride{i}") for i in range(3)]
     o_part = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (parts, n.seqlen_q, n.heads, d), stride=(*o_strides, 1), assumed_align=16)
-    lse_part = _fake_rowwise(parts, n.heads, n.seqlen_q, "lse_part")
+        cutlass.Float32, (parts, n.seqlen_q, n.heads, head_dim),
+        stride=(*(cute.sym_int64(divisibility=4, symbol=f"opart_stride{i}") for i in range(3)), 1),
+        assumed_align=16,
+    )
+    return o_part, _fake_rowwise(parts, n.heads, n.seqlen_q, "lse_part")
+
+
+def _fake_combine_args(key: CombineKey):
+    """The split forward's partials, then the combine's outputs."""
+    import cutlass
+
+    n, d = _Symbols(), key.head_dim
+    o_part, lse_part = _fake_partials(n, d)
     return (o_part, lse_part, _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o"),
             _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse"), _fake_cu_seqlens("cu_seqlens_q"),
             cutlass.Int32(0), _fake_stream())
@@ -473,17 +488,6 @@ def _lse_sink(device, shape):
         _lse_sink_views.clear()
     view = _lse_sink_views[(device, shape)] = sinks[-1][:numel].view(shape)
     return view
-
-
-_unused_cu_seqlens_per_device: dict = {}
-
-
-def _unused_cu_seqlens(device):
-    # dense kernels never read it; one per device avoids a per-call allocation
-    t = _unused_cu_seqlens_per_device.get(device)
-    if t is None:
-        t = _unused_cu_seqlens_per_device[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return t
 
 
 # ----------------------------------------------------------------------------------------
@@ -607,12 +611,3 @@ def run_bwd(
     return dq, dk, dv
 
 
-_unused_semaphores: dict = {}
-
-
-def _unused_semaphore(device):
-    # the non-deterministic kernel never reads it; one per device avoids a per-call memset
-    t = _unused_semaphores.get(device)
-    if t is None:
-        t = _unused_semaphores[device] = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
-    return t

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from cute_attn import api
-from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, AttnFeatures, DtypePolicy, RunArgs
+from cute_attn.config import DTYPE_OF_INPUT, AttnFeatures, DtypePolicy, RunArgs, attn_features
 from cute_attn import validation
 from cute_attn.validation import _layout_problem, prepare_dout
 
@@ -53,18 +53,10 @@ def _pack(features: AttnFeatures, run_args: RunArgs):
     return features.mask, run_args.softmax_scale, run_args.softcap, left, right
 
 
-# (mask, softcap on, varlen) -> AttnFeatures: one object per specialisation, the plain
-# ones the shared DENSE / CAUSAL (what _features_and_args returns for them)
-_features = {(DENSE.mask, False, False): DENSE, (CAUSAL.mask, False, False): CAUSAL}
-
-
 def _unpack(mask, softmax_scale, softcap, window_left, window_right, varlen=None):
     """_pack's inverse: the (AttnFeatures, RunArgs) that _features_and_args built.
     varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) or None."""
-    key = (mask, softcap > 0, varlen is not None)
-    features = _features.get(key)
-    if features is None:  # AttnFeatures rejects an unknown mask
-        features = _features[key] = AttnFeatures(mask=mask, softcap=key[1], varlen=key[2])
+    features = attn_features(mask, softcap > 0, varlen is not None)
     window = (window_left, window_right)
     if varlen is None:
         return features, RunArgs(softmax_scale, softcap, window)
@@ -157,17 +149,9 @@ def _fwd_kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Te
     torch ops): entry b attends to its first seqlens_k[b] keys of the contiguous cache;
     num_splits 0 lets the launcher choose."""
     _check_pointers("q", q, "k_cache", k_cache, "v_cache", v_cache)
-    features = _kvcache_features(mask, softcap)
+    features = attn_features(mask, softcap > 0, kv_lengths=True)
     run_args = RunArgs(softmax_scale, softcap, (window_left, window_right), None, seqlens_k)
     return api._launcher().run_fwd(q, k_cache, v_cache, features, run_args, num_splits=num_splits or None)
-
-
-def _kvcache_features(mask, softcap):
-    key = (mask, softcap > 0, "kv_lengths")
-    features = _features.get(key)
-    if features is None:
-        features = _features[key] = AttnFeatures(mask=mask, softcap=key[1], kv_lengths=True)
-    return features
 
 
 # The ops run their real implementations on CUDA tensors only (the CPU tests register

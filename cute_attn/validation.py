@@ -508,16 +508,18 @@ def validate_softcap(softcap):
     return float(softcap)
 
 
-def validate_gqa_heads(q, k, v):
+def validate_gqa_heads(q, k, v, names=_NAMES):
     """Return the group size nheads // nheads_kv after checking the head counts.
 
     Heads are dim -2 of q, k and v, so this serves the dense (batch, seqlen, nheads,
     headdim) layout and the packed varlen (total, nheads, headdim) one alike. k and v
     must have the same number of heads, which must divide q's (GQA; 1 head is MQA).
     q with 0 heads (an empty call) returns 0 whatever k's heads; k with 0 heads for
-    q's nonzero heads is an error.
+    q's nonzero heads is an error. names: the three arguments' names in the messages
+    (a KV cache's are "k_cache", "v_cache").
     """
-    for name, t in zip(_NAMES, (q, k, v)):
+    q_name, k_name, v_name = names
+    for name, t in zip(names, (q, k, v)):
         _check_is_tensor(name, t)
         if t.dim() < 3:
             raise ValueError(
@@ -525,13 +527,13 @@ def validate_gqa_heads(q, k, v):
             )
     nheads, nheads_k, nheads_v = q.shape[-2], k.shape[-2], v.shape[-2]
     if nheads_v != nheads_k:
-        raise ValueError(f"v nheads must equal k nheads ({nheads_k}), got {nheads_v}")
+        raise ValueError(f"{v_name} nheads must equal {k_name} nheads ({nheads_k}), got {nheads_v}")
     if nheads == 0:  # no query heads: an empty call (any k/v heads, 0 included)
         return 0
     if nheads_k < 1 or nheads % nheads_k:
         raise ValueError(
-            f"k nheads must divide q nheads ({nheads}): each group of "
-            f"q nheads / k nheads query heads shares one k/v head (GQA/MQA), got {nheads_k}"
+            f"{k_name} nheads must divide {q_name} nheads ({nheads}): each group of "
+            f"{q_name} nheads / {k_name} nheads query heads shares one k/v head (GQA/MQA), got {nheads_k}"
         )
     return nheads // nheads_k
 

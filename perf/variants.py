@@ -94,12 +94,12 @@ def host_breakdown(dtype):
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     fn = launcher.get_fwd_kernel(
         launcher.FwdKey(dtype_name, d, features, fwd_config_for(d, features)))
-    cu = launcher._unused_cu_seqlens(q.device)
+    cu, page_table = launcher._unused_cu_seqlens(q.device), launcher._unused_page_table(q.device)
     pieces = {
         "validate_fwd_inputs": lambda: validation.validate_fwd_inputs(q, k, v, None),
         "alloc out+lse": lambda: (torch.empty_like(q),
                                   torch.empty((b, h, s), dtype=torch.float32, device=q.device)),
-        "compiled kernel call": lambda: fn(q, k, v, out, lse, cu, cu, 0, 0.088, 0.0, 0, 0),
+        "compiled kernel call": lambda: fn(q, k, v, out, lse, cu, cu, page_table, 0, 0.088, 0.0, 0, 0, 1),
         "launcher.run_fwd": lambda: launcher.run_fwd(q, k, v, features,
                                                      launcher.RunArgs(softmax_scale=0.088)),
         "cute_attn.mha": lambda: cute_attn.mha(q, k, v, causal=shape["causal"]),

@@ -1,8 +1,39 @@
-"""What the CPU tests' stand-in launchers share: how the launcher's (features, run args)
-translate back into the reference's keywords, so a stand-in computes what the kernel
-was asked to compute (tests/test_autograd_cpu.py, tests/test_compat_cpu.py)."""
+"""What the CPU tests' stand-ins share: how the launcher's (features, run args) translate
+back into the reference's keywords, so a stand-in launcher computes what the kernel was
+asked to compute (tests/test_autograd_cpu.py, tests/test_compat_cpu.py); a launcher that
+fails the test when reached; and CPU tensors that report a CUDA device, for the device
+checks of validation (which only read .device)."""
+
+import pytest
+import torch
 
 from cute_attn.config import UNBOUNDED
+
+
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that reports a CUDA device; validation only reads .device for the
+    device checks, so this exercises their decisions honestly."""
+
+    @property
+    def device(self):
+        return self._fake_device
+
+
+def fake_cuda(t, index=0, cls=FakeCuda):
+    """t as a cls (a FakeCuda) on cuda:index."""
+    t = t.as_subclass(cls)
+    t._fake_device = torch.device("cuda", index)
+    return t
+
+
+class LauncherTrap:
+    """A launcher module that fails the test when any of its functions is reached."""
+
+    def __init__(self, why=""):
+        self.why = why
+
+    def __getattr__(self, name):
+        pytest.fail(f"launcher.{name} reached{self.why}")
 
 
 def ref_kwargs(features, args):

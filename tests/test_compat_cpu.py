@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import cute_attn
 import cute_attn.api as api
 from cute_attn.config import UNBOUNDED
-from cpu_standin import ref_kwargs, reference_grads
+from cpu_standin import LauncherTrap, ref_kwargs, reference_grads
 from cute_attn.reference import attention_ref, attention_ref_varlen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,15 +69,12 @@ def stand_in(monkeypatch):
     return launcher
 
 
-class _Trap:
-    def __getattr__(self, name):
-        pytest.fail(f"launcher.{name} reached: the argument should have been rejected first")
 
 
 @pytest.fixture
 def trap(monkeypatch):
     """No launcher: a rejected argument must raise before anything would compile."""
-    monkeypatch.setattr(api, "_launcher_module", _Trap())
+    monkeypatch.setattr(api, "_launcher_module", LauncherTrap(": the argument should have been rejected first"))
 
 
 def _bshd(batch, seqlen, heads, dim=64, dtype=torch.float32, seed=0):

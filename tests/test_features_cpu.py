@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 import torch
 
+from cpu_standin import FakeCuda as _FakeCuda
+from cpu_standin import fake_cuda as _fake_cuda
 import cute_attn
 from cute_attn import api, launcher, validation
 
@@ -34,19 +36,6 @@ CPU_ERROR = "q is on cpu; cute_attn needs CUDA tensors"
 SETUPS = ["cpu", "sm90"]
 
 
-class _FakeCuda(torch.Tensor):
-    """A CPU tensor that reports a CUDA device; validation only reads .device for the
-    device checks, so this exercises their decisions honestly."""
-
-    @property
-    def device(self):
-        return self._fake_device
-
-
-def _fake_cuda(t, cls=_FakeCuda):
-    t = t.as_subclass(cls)
-    t._fake_device = torch.device("cuda", 0)
-    return t
 
 
 class _NoHostRead(_FakeCuda):
@@ -362,8 +351,8 @@ def _gpu_varlen_with_bad_offsets(monkeypatch):
     args = _varlen()
     for name in ("q", "k", "v"):
         args[name] = _fake_cuda(args[name])
-    args["cu_seqlens_q"] = _fake_cuda(_cu([0, 5, 3, 8]), _NoHostRead)  # decreasing
-    args["cu_seqlens_k"] = _fake_cuda(_cu([0, 4, 6, 11]), _NoHostRead)
+    args["cu_seqlens_q"] = _fake_cuda(_cu([0, 5, 3, 8]), cls=_NoHostRead)  # decreasing
+    args["cu_seqlens_k"] = _fake_cuda(_cu([0, 4, 6, 11]), cls=_NoHostRead)
     return args
 
 

@@ -9,6 +9,7 @@ import torch
 
 import cute_attn
 import cute_attn.api as api
+from cpu_standin import LauncherTrap
 import cute_attn.validation as validation
 from cute_attn.config import UNBOUNDED
 
@@ -117,10 +118,10 @@ def test_flash_attn_with_kvcache_refuses_what_it_cannot_do(launcher, name):
 
 
 def test_paged_append_writes_through_the_page_table():
-    """kvcache._append_paged (the paged path's append, ahead of the API opening it):
+    """kvcache._append with a page table (the paged path's append, ahead of the API opening it):
     positions land in the pages the table names, the rest of the pages is untouched,
     and the new lengths are cache_seqlens + seqlen_new."""
-    from cute_attn.kvcache import _append_paged
+    from cute_attn.kvcache import _append
     from cute_attn.kvcache_reference import append_to_cache
 
     g = torch.Generator().manual_seed(1)
@@ -130,7 +131,7 @@ def test_paged_append_writes_through_the_page_table():
     lengths = torch.tensor([15, 33], dtype=torch.int32)  # entry 0 crosses a page boundary
     k, v = (torch.randn(2, 3, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
     ref_k, ref_v = append_to_cache(pages_k, pages_v, lengths, k, v, page_table=table)
-    new = _append_paged(pages_k, pages_v, k, v, lengths, table)
+    new = _append(pages_k, pages_v, k, v, lengths, page_table=table)
     assert torch.equal(pages_k, ref_k) and torch.equal(pages_v, ref_v)
     assert new.tolist() == [18, 36] and new.dtype == torch.int32
     assert torch.equal(pages_k[7, 15], k[0, 0]) and torch.equal(pages_k[2, 0], k[0, 1])
@@ -192,14 +193,10 @@ def test_fwd_kvcache_schema_and_opcheck(reference_op):
 def test_fake_tensors_take_the_op(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    class Trap:
-        def __getattr__(self, name):
-            pytest.fail(f"launcher.{name} reached with fake tensors")
-
     # fake CPU tensors (a CPU-only torch cannot make fake CUDA ones with arange), with the
     # device check off: the point is that the launcher is never reached
     monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
-    monkeypatch.setattr(api, "_launcher_module", Trap())
+    monkeypatch.setattr(api, "_launcher_module", LauncherTrap(" with fake tensors"))
     with FakeTensorMode():
         q = torch.empty(3, 4, 16, 128, dtype=torch.bfloat16)
         k_cache, v_cache = (torch.empty(3, 1000, 4, 128, dtype=torch.bfloat16) for _ in range(2))

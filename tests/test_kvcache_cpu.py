@@ -18,6 +18,7 @@ import zlib
 import pytest
 import torch
 
+from cpu_standin import fake_cuda as _fake_cuda
 from cute_attn import kvcache_checks, split_heuristic, validation
 from cute_attn.kvcache_checks import PAGE_SIZES, check_kvcache_values, validate_kvcache_inputs
 from cute_attn.kvcache_reference import append_to_cache, kvcache_attention_ref
@@ -298,19 +299,6 @@ def test_reference_rejects_an_append_past_the_capacity():
 CPU_ERROR = r"q is on cpu; cute_attn needs CUDA tensors on an sm_90 GPU"
 
 
-class _FakeCuda(torch.Tensor):
-    """A CPU tensor that reports a CUDA device (as tests/test_validation.py does: the
-    checks only read .device)."""
-
-    @property
-    def device(self):
-        return self._fake_device
-
-
-def _fake_cuda(t, index=0):
-    t = t.as_subclass(_FakeCuda)
-    t._fake_device = torch.device("cuda", index)
-    return t
 
 
 def _call(paged=False, *, batch=2, seqlen_q=1, nheads=8, nheads_kv=2, d=64, seqlen_new=1,

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cute_attn.api as api
 import cute_attn.ops as ops
 import cute_attn.validation as validation
-from cpu_standin import ref_kwargs
+from cpu_standin import LauncherTrap, ref_kwargs
 from cute_attn.reference import attention_ref, attention_ref_varlen, visible_keys
 
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
@@ -121,16 +121,13 @@ def stand_in(monkeypatch):
     return launcher
 
 
-class _Trap:
-    def __getattr__(self, name):
-        pytest.fail(f"launcher.{name} reached")
 
 
 @pytest.fixture
 def fake_sm90(monkeypatch):
     """Fake CUDA tensors pass the device check as an sm_90 GPU; no launcher may run."""
     monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(api, "_launcher_module", _Trap())
+    monkeypatch.setattr(api, "_launcher_module", LauncherTrap())
 
 
 @pytest.fixture
@@ -283,7 +280,7 @@ def test_fake_cuda_forward_and_backward_ops(fake_sm90, no_data_ptr, kwargs, dtyp
 def test_fake_autograd(monkeypatch, no_data_ptr, kwargs):
     """mha's autograd formula through the ops on fake tensors: setup_context, prepare_dout, bwd's fake."""
     monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
-    monkeypatch.setattr(api, "_launcher_module", _Trap())
+    monkeypatch.setattr(api, "_launcher_module", LauncherTrap())
     with FakeTensorMode():
         q = _fake_bhsd_as_bshd(2, 300, 8, 128, torch.bfloat16, "cpu", requires_grad=True)
         k = _fake_bhsd_as_bshd(2, 500, 2, 128, torch.bfloat16, "cpu", requires_grad=True)
@@ -313,7 +310,7 @@ def test_fake_varlen(fake_sm90, no_data_ptr):
 
 def test_fake_varlen_autograd(monkeypatch, no_data_ptr):
     monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
-    monkeypatch.setattr(api, "_launcher_module", _Trap())
+    monkeypatch.setattr(api, "_launcher_module", LauncherTrap())
     with FakeTensorMode():
         q = torch.empty(700, 8, 64, dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.empty(900, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
@@ -539,7 +536,7 @@ def test_ops_mha_varlen_matches_api(stand_in):
 
 
 def test_empty_calls_stay_outside_the_op(stand_in, monkeypatch):
-    monkeypatch.setattr(api, "_launcher_module", _Trap())
+    monkeypatch.setattr(api, "_launcher_module", LauncherTrap())
     q = _bshd(2, 9, 4, requires_grad=True)
     k, v = (_bshd(2, 0, 2, seed=i, requires_grad=True) for i in (1, 2))
     out, lse = ops_mha(q, k, v, return_lse=True)

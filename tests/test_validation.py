@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from cpu_standin import FakeCuda as _FakeCuda
+from cpu_standin import fake_cuda as _fake_cuda
 import cute_attn
 from cute_attn import config, validation
 from cute_attn.validation import (
@@ -30,18 +32,6 @@ from cute_attn.validation import (
 CPU_ERROR = r"is on cpu; cute_attn needs CUDA tensors on an sm_90 GPU"
 
 
-class _FakeCuda(torch.Tensor):
-    """A CPU tensor that reports a CUDA device (see module docstring)."""
-
-    @property
-    def device(self):
-        return self._fake_device
-
-
-def _fake_cuda(t, index=0):
-    t = t.as_subclass(_FakeCuda)
-    t._fake_device = torch.device("cuda", index)
-    return t
 
 
 def _qkv(b=2, sq=16, sk=24, h=4, d=64, dtype=torch.bfloat16):

@@ -65,13 +65,13 @@ class TileScheduler:
         bid, head, batch = cute.arch.block_idx()
         num_blocks = cute.arch.grid_dim()[0]
         block, split = bid, Int32(0)
-        if cutlass.const_expr(self.runtime_splits):
-            # split-major within a block's CTAs: the splits of one query tile run side by side
-            block, split = bid // num_splits, bid % num_splits
-            num_blocks = num_blocks // num_splits
-        elif cutlass.const_expr(self.num_splits > 1):
-            block, split = bid // self.num_splits, bid % self.num_splits
-            num_blocks = num_blocks // self.num_splits
+        if cutlass.const_expr(self.runtime_splits or self.num_splits > 1):
+            # the splits of one block are neighbours in the grid: they run side by side
+            splits = self.num_splits
+            if cutlass.const_expr(self.runtime_splits):
+                splits = num_splits
+            block, split = bid // splits, bid % splits
+            num_blocks = num_blocks // splits
         if cutlass.const_expr(self.longest_first):
             block = num_blocks - 1 - block
         return WorkTile(Int32(block), Int32(head), Int32(batch), Int32(split))
