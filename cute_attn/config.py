@@ -73,6 +73,10 @@ def attn_features(mask: str = "none", softcap: bool = False, varlen: bool = Fals
     """The one shared AttnFeatures of this combination (DENSE and CAUSAL for the plain
     ones): every entry point (api, ops, kvcache) asks here, so a call builds no object
     and the launcher's per-features lookups hash an object seen before."""
+    if torch.compiler.is_compiling():
+        # traced: dynamo would guard on the cache dict (its length changes when a new
+        # combination is interned, which recompiled the caller); build the object instead
+        return AttnFeatures(mask=mask, softcap=bool(softcap), varlen=bool(varlen), kv_lengths=bool(kv_lengths))
     key = (mask, bool(softcap), bool(varlen), bool(kv_lengths))
     features = _interned.get(key)
     if features is None:  # AttnFeatures rejects an unknown mask
@@ -165,6 +169,11 @@ CAPABILITIES = {
 # the number of consumer warpgroups: 128 * (producer + n * consumer) must stay within the
 # SM's 64K registers, and setmaxnreg takes multiples of 8.
 REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+# A paged forward whose KV blocks span several pages issues a TMA box per page from
+# page-table words it shuffles across the producer warp: at 24 registers that spilled 20
+# bytes (ptxas, head dim 128, page 16); 40 spill nothing, and its consumers need no more
+# than 232 (decode: one query tile, no spill at 232 either).
+PAGED_REGISTER_BUDGETS = {**REGISTER_BUDGETS, 2: (40, 232)}
 
 
 class _WarpSpecialized:
@@ -202,29 +211,62 @@ class FwdConfig(_WarpSpecialized):
     # and its LSE to partial buffers that kernels/combine.py merges. For grids too small
     # for the GPU (decode, short prefill against long caches): launcher.choose_splits.
     split_kv: bool = False
-    # Paged KV cache (with AttnFeatures.kv_lengths): K and V arrive as one sequence of
-    # pages of page_size keys, and entry b's logical block n is read from page
-    # page_table[b, n * tile_n // page_size]. 0: contiguous. Whole-tile pages only for now
-    # (a multiple of tile_n): one TMA box per block, at a block index the producer looks up.
+    # Paged KV cache (with AttnFeatures.kv_lengths): K and V arrive as (num_pages,
+    # page_size, heads_kv, head_dim) and entry b's key p lies in row p % page_size of page
+    # page_table[b, p // page_size]. The producer loads a KV block as kv_box_rows-row TMA
+    # boxes, each from the page the table names: one box per block when a page holds whole
+    # blocks, tile_n / page_size boxes when a block spans pages. 0: contiguous.
     page_size: int = 0
+
+    @property
+    def kv_box_rows(self) -> int:
+        """Rows of one K/V TMA box: the whole block, or one page of a block that spans
+        several pages (fwd_sm90.FlashFwdSm90.load_kv_paged)."""
+        return min(self.page_size, self.tile_n) if self.page_size else self.tile_n
 
     @property
     def num_mma_warpgroups(self) -> int:
         return self.tile_m // 64
+
+    @property
+    def registers(self) -> tuple:
+        if self.kv_box_rows < self.tile_n:
+            return PAGED_REGISTER_BUDGETS[self.num_mma_warpgroups]
+        return REGISTER_BUDGETS[self.num_mma_warpgroups]
 
     def __post_init__(self):
         if self.tile_m % 64 or not 1 <= self.tile_m // 64 <= 3:
             raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16, got {self.tile_n}")
-        if self.page_size % self.tile_n:
-            raise ValueError(f"page_size must be 0 or a multiple of tile_n ({self.tile_n}), got {self.page_size}")
+        if self.page_size and (self.page_size % 8 or (self.page_size % self.tile_n and self.tile_n % self.page_size)):
+            # a box of whole 8-row swizzle atoms, nested with the block: see paged_tile_n
+            raise ValueError(f"page_size must be 0, or a multiple of 8 that divides tile_n ({self.tile_n}) "
+                             f"or is a multiple of it, got {self.page_size}")
 
 
-
-def fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1) -> FwdConfig:
+def fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1, page_size: int = 0) -> FwdConfig:
     """The forward tile shape per head dim (FlashAttention-3's choices as a starting point;
-    perf/NOTES.md records what was measured here), with pack_gqa rows per query."""
+    perf/NOTES.md records what was measured here), with pack_gqa rows per query and, for a
+    paged KV cache, its page size (paged_tile_n)."""
+    cfg = _fwd_tile_config(head_dim, features)
+    if page_size:
+        cfg = dataclasses.replace(cfg, tile_n=paged_tile_n(cfg.tile_n, page_size), page_size=page_size)
+    return cfg if pack_gqa == 1 else dataclasses.replace(cfg, pack_gqa=pack_gqa)
+
+
+def paged_tile_n(tile_n: int, page_size: int) -> int:
+    """The KV block of a paged cache: the head dim's own when pages and blocks nest (one
+    divides the other: a block is whole boxes of one page each), else 64, which nests with
+    every page size of kvcache_checks.PAGE_SIZES (head dims 192 and 256, blocks of 96 and
+    80 keys: 64-key blocks cost their mainloops more barrier steps per key, but decode is
+    bound by memory, not by the mainloop)."""
+    if page_size % tile_n == 0 or tile_n % page_size == 0:
+        return tile_n
+    return 64
+
+
+def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
     if head_dim <= 64:
         if features.local:
             # three consumer warpgroups have 160 registers each: the window's two-sided
@@ -242,7 +284,7 @@ def fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1) -> 
         cfg = FwdConfig(tile_m=128, tile_n=96, num_stages=2)
     else:
         cfg = FwdConfig(tile_m=128, tile_n=80, num_stages=2)
-    return cfg if pack_gqa == 1 else dataclasses.replace(cfg, pack_gqa=pack_gqa)
+    return cfg
 
 
 def pack_gqa_for(head_dim: int, features: AttnFeatures, seqlen_q: int, group: int) -> int:

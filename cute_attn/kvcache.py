@@ -6,8 +6,8 @@ The kernel is the forward with AttnFeatures.kv_lengths: entry b attends to its f
 cache_seqlens[b] + seqlen_new keys, read from a device tensor (blocks/seqlen.py), so a
 decode step never reads lengths on the host and can be captured in a CUDA graph and
 replayed with new lengths. Small grids (batch 1, one query) take split-KV like `mha`
-(launcher.choose_splits). Contiguous caches only so far; a paged cache (page_table) raises
-NotImplementedError.
+(launcher.choose_splits). A paged cache (page_table) is read page by page: the kernel's
+producer assembles each KV block from TMA boxes of one page each (FwdConfig.page_size).
 """
 
 from typing import Optional, Union
@@ -39,7 +39,10 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
         k, v: None, or (batch, seqlen_new, nheads_kv, headdim): written into the caches at
             positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of entry b.
         cache_seqlens: int32 (batch,) on q's device: the keys already in each entry.
-        page_table: a paged cache's int32 (batch, max_pages) table: not supported yet.
+        page_table: None for a contiguous cache; for a paged one, (num_pages, page_size,
+            nheads_kv, headdim) caches with page_size in kvcache_checks.PAGE_SIZES, the
+            int32 (batch, max_pages) table: key p of entry b is row p % page_size of page
+            page_table[b, p // page_size]. Entries may share pages.
         causal, window_size, softcap, softmax_scale: as in `mha`, aligned bottom-right to
             each entry's cache_seqlens[b] + seqlen_new keys.
         num_splits: split-KV CTAs per query tile; 0 chooses (launcher.choose_splits).
@@ -57,16 +60,11 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=page_table, causal=causal,
         window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits,
         return_lse=return_lse, check_inputs=check_inputs)
-    if page_table is not None:
-        # the kernel side exists (FwdConfig.page_size, whole-tile pages; compile-tested) and
-        # _append takes a page table; both wait for their GPU tests before this opens
-        raise NotImplementedError("mha_with_kvcache: a paged cache (page_table) is not supported yet; "
-                                  "pass a contiguous (batch, seqlen_cache, nheads_kv, headdim) cache")
     lengths = cache_seqlens
     if problem.seqlen_new:
-        lengths = _append(k_cache, v_cache, k, v, cache_seqlens)
+        lengths = _append(k_cache, v_cache, k, v, cache_seqlens, page_table)
     scale = float(softmax_scale) if softmax_scale is not None else problem.head_dim ** -0.5
-    features, run_args = _features_and_args(problem, scale, lengths)
+    features, run_args = _features_and_args(problem, scale, lengths, page_table)
     if problem.batch == 0 or problem.seqlen_q == 0 or problem.nheads == 0:
         out, lse = api._outputs_without_kernel(q, features)
         return (out, lse) if problem.return_lse else out
@@ -104,9 +102,10 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, page_table=None):
     return (start + seqlen_new).clamp_(max=capacity).to(torch.int32)
 
 
-def _features_and_args(problem, scale, lengths):
+def _features_and_args(problem, scale, lengths, page_table):
     """api._features_and_args's (features, run args) with kv_lengths: the per-entry key
     counts ride in the cu_seqlens_k slot."""
     plain, run_args = api._features_and_args(problem.causal, problem.window_size, problem.softcap, scale)
     features = attn_features(plain.mask, plain.softcap, kv_lengths=True)
-    return features, RunArgs(run_args.softmax_scale, run_args.softcap, run_args.window, None, lengths)
+    return features, RunArgs(run_args.softmax_scale, run_args.softcap, run_args.window, None, lengths,
+                             page_table=page_table)

@@ -124,7 +124,9 @@ def _fake_fwd_args(key: FwdKey):
 
     n, d = _Symbols(), key.head_dim
     q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
-    k, v = (_fake_bshd(key.dtype, n.batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
+    # a paged cache's batch mode counts pages, not the queries' entries
+    kv_batch = cute.sym_int32(symbol="num_pages") if key.config.page_size else n.batch
+    k, v = (_fake_bshd(key.dtype, kv_batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
     if key.config.split_kv:
         o, lse = _fake_partials(n, d)
     else:
@@ -217,16 +219,19 @@ def get_fwd_kernel(key: FwdKey):
     return _cached(key, _from_disk_or_compiled(compile_fwd, _raw))
 
 
-def _default_fwd_kernel(q, k, features: AttnFeatures):
+def _default_fwd_kernel(q, k, features: AttnFeatures, page_size: int = 0):
+    """(kernel, config) of the default config for this call; page_size: a paged KV
+    cache's (k is then (num_pages, page_size, heads_kv, head_dim)), else 0."""
     head_dim = q.shape[-1]
     # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
     group = q.shape[-2] // k.shape[-2]
     pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
-    entry = _default_kernels.get((q.dtype, head_dim, features, pack))
+    entry = _default_kernels.get((q.dtype, head_dim, features, pack, page_size))
     if entry is None:
-        config = fwd_config_for(head_dim, features, pack)
+        config = fwd_config_for(head_dim, features, pack, page_size)
         key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config)
-        entry = _default_kernels.setdefault((q.dtype, head_dim, features, pack), (get_fwd_kernel(key), config))
+        entry = _default_kernels.setdefault((q.dtype, head_dim, features, pack, page_size),
+                                            (get_fwd_kernel(key), config))
     return entry
 
 
@@ -263,7 +268,7 @@ def run_fwd(
     splits only grids too small for the GPU. With more than one, the split forward writes
     fp32 partials and the combine kernel (kernels/combine.py) merges them into out, lse."""
     if config is None:
-        fn, config = _default_fwd_kernel(q, k, features)
+        fn, config = _default_fwd_kernel(q, k, features, 0 if args.page_table is None else k.shape[1])
     else:
         fn = None
     if num_splits is None:
@@ -365,7 +370,8 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
         seqlen_q, seqlen_k, heads = args.max_seqlen_q, args.max_seqlen_k, q.shape[1]
     else:
         batch, seqlen_q, heads, _ = q.shape
-        seqlen_k = k.shape[1]
+        # a KV cache's capacity (its lengths stay on the device): rows, or pages x page size
+        seqlen_k = k.shape[1] if args.page_table is None else args.page_table.shape[1] * k.shape[1]
     pack = config.pack_gqa
     q_tiles = -(-(seqlen_q * pack) // config.tile_m)
     tiles = q_tiles * (heads // pack) * batch

@@ -14,7 +14,8 @@ through `register_autograd`:
     cute_attn::bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, <the same six>)
     cute_attn::fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k,
-                           <the first five of the six>, int num_splits) -> (out, lse)
+                           Tensor? page_table, <the first five of the six>,
+                           int num_splits) -> (out, lse)
 
 The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
 builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
@@ -30,6 +31,8 @@ on fake tensors (api._traced); eager calls launch directly, because an op's disp
 host time to every call (perf/NOTES.md). Importing this module registers the ops and
 imports no DSL; the launcher is imported on the first real call.
 """
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -142,15 +145,16 @@ def _bwd_varlen_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                    deterministic=deterministic)
 
 
-def _fwd_kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tensor, mask: str,
-                      softmax_scale: float, softcap: float, window_left: int, window_right: int,
-                      num_splits: int) -> tuple[Tensor, Tensor]:
+def _fwd_kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tensor,
+                      page_table: Optional[Tensor], mask: str, softmax_scale: float, softcap: float,
+                      window_left: int, window_right: int, num_splits: int) -> tuple[Tensor, Tensor]:
     """(out, lse) of mha_with_kvcache's attention (after its append, which is ordinary
-    torch ops): entry b attends to its first seqlens_k[b] keys of the contiguous cache;
-    num_splits 0 lets the launcher choose."""
+    torch ops): entry b attends to its first seqlens_k[b] keys of the cache, contiguous or
+    paged (page_table); num_splits 0 lets the launcher choose."""
     _check_pointers("q", q, "k_cache", k_cache, "v_cache", v_cache)
     features = attn_features(mask, softcap > 0, kv_lengths=True)
-    run_args = RunArgs(softmax_scale, softcap, (window_left, window_right), None, seqlens_k)
+    run_args = RunArgs(softmax_scale, softcap, (window_left, window_right), None, seqlens_k,
+                       page_table=page_table)
     return api._launcher().run_fwd(q, k_cache, v_cache, features, run_args, num_splits=num_splits or None)
 
 
@@ -191,7 +195,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, sof
 
 
 @fwd_kvcache.register_fake
-def _(q, k_cache, v_cache, seqlens_k, mask, softmax_scale, softcap, window_left, window_right, num_splits):
+def _(q, k_cache, v_cache, seqlens_k, page_table, mask, softmax_scale, softcap, window_left, window_right,
+      num_splits):
     batch, seqlen_q, heads, _ = q.shape
     return _fake_out(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
@@ -255,8 +260,8 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, features: Att
     """mha_with_kvcache's attention through cute_attn::fwd_kvcache (the key counts per
     entry ride in run_args.cu_seqlens_k, as the launcher takes them)."""
     left, right = run_args.window
-    return fwd_kvcache(q, k_cache, v_cache, run_args.cu_seqlens_k, features.mask, run_args.softmax_scale,
-                       run_args.softcap, left, right, num_splits)
+    return fwd_kvcache(q, k_cache, v_cache, run_args.cu_seqlens_k, run_args.page_table, features.mask,
+                       run_args.softmax_scale, run_args.softcap, left, right, num_splits)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_args: RunArgs,

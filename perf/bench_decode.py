@@ -5,9 +5,18 @@ too small for the GPU without split-KV.
     python3 perf/bench_decode.py --out $OUT          # on the GPU machine
 
 Per shape: cute_attn.mha (contiguous K/V; split-KV chosen automatically), the same through
-mha_with_kvcache (a full contiguous cache, lengths from a device tensor), FA4 (no split-KV
-on sm90), torch SDPA (its own backend choice, enable_gqa), each timed by do_bench (median)
-in interleaved rounds in this process. Reported: microseconds, GB/s of the bytes that must
+mha_with_kvcache (a full contiguous cache, lengths from a device tensor), and paged
+(the same K/V memory seen as pages of 16, 64 or 256 keys, the page table a random
+permutation of them, so consecutive pages of an entry lie anywhere in the pool), FA4 (no
+split-KV on sm90), torch SDPA (its own backend choice, enable_gqa), each timed by
+do_bench (median) in interleaved rounds in this process.
+
+    python3 perf/bench_decode.py --grid --out $OUT   # the cuDNN decode sweep's grid
+
+--grid runs the grid of NVIDIA's cuDNN 9.27 decode sweep (batch 1/8/32/128 x keys
+2K/8K/32K/128K x 1/8/16 queries, 64/8 heads, hd 128; the points that fit in memory) with
+the paged and contiguous cache paths and SDPA only, and records the published cuDNN
+bandwidths where the issue quotes them (H200, paged, page 16). Reported: microseconds, GB/s of the bytes that must
 move (K and V read once, plus q and out), and that as a share of the copy bandwidth
 measured in the same run (a device-to-device copy of 2 GiB: read + write bytes / time).
 Masks are bottom-right causal (the decode convention); SDPA's is_causal is top-left, so it
@@ -38,6 +47,13 @@ SHAPES = [
     (32, 16, 8192, 64, 8, 128),
 ]
 QUICK = SHAPES[:4]
+GRID = [(b, sq, sk, 64, 8, 128) for b in (1, 8, 32, 128) for sk in (2048, 8192, 32768, 131072) for sq in (1, 8, 16)]
+PAGE_SIZES = (16, 64, 256)
+GRID_IMPLS = ("cute_attn_kvcache", "cute_attn_paged16", "cute_attn_paged64", "sdpa")
+# cuDNN 9.27 on an H200, paged (page 16), 64/8 heads, hd 128, one query: GB/s as issue 12
+# quotes NVIDIA's published sweep (cudnn-frontend benchmark/attention_inference/results/
+# decode_sweep/h200); keys None: the issue gives batch 128's figure without a key count
+CUDNN_H200_PUBLISHED = {(1, 1, 32768): 3250, (1, 1, 131072): 4100, (128, 1, None): 4500}
 
 
 def copy_bandwidth_gbs() -> float:
@@ -51,6 +67,39 @@ def moved_bytes(b, sq, sk, h, hkv, d) -> int:
     return 2 * (b * sk * hkv * d * 2) + 2 * (b * sq * h * d * 2)
 
 
+_lengths: dict = {}
+_tables: dict = {}
+
+
+def full_lengths(q, k):
+    key = (q.shape[0], k.shape[1])
+    if key not in _lengths:
+        _lengths[key] = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+    return _lengths[key]
+
+
+def as_pages(k, v, page_size):
+    """k, v's memory as (num_pages, page_size, heads_kv, d) pages and a page table that is a
+    random permutation of them (no copy: the keys an entry sees are the pool's pages in
+    the table's order, which correct_keys gathers for the error check)."""
+    b, sk, hkv, d = k.shape
+    key = (b, sk, page_size)
+    if key not in _tables:
+        gen = torch.Generator(device="cuda").manual_seed(sk + page_size)
+        _tables[key] = torch.randperm(b * sk // page_size, device="cuda", generator=gen).to(torch.int32).view(b, -1)
+    shape = (b * sk // page_size, page_size, hkv, d)
+    return k.view(shape), v.view(shape), _tables[key]
+
+
+def entry0_keys(name, k, v):
+    """Entry 0's keys and values as the impl `name` sees them (paged: gathered)."""
+    if not name.startswith("cute_attn_paged"):
+        return k[:1], v[:1]
+    pages_k, pages_v, table = as_pages(k, v, int(name.removeprefix("cute_attn_paged")))
+    rows = table[0].long()
+    return (p[rows].reshape(1, -1, *p.shape[2:]) for p in (pages_k, pages_v))
+
+
 def impls():
     import cute_attn
     from cute_attn import launcher
@@ -60,18 +109,18 @@ def impls():
         features, run_args = cute_attn.api._features_and_args(True, (-1, -1), 0.0, q.shape[-1] ** -0.5)
         return launcher.run_fwd(q, k, v, features, run_args, need_lse=False, num_splits=1)[0]
 
-    lengths = {}
-
     def kvcache(q, k, v):
         # the same keys as a full KV cache (no append): mha_with_kvcache's kv_lengths path
-        seqlens = lengths.get((q.shape[0], k.shape[1]))
-        if seqlens is None:
-            seqlens = lengths[(q.shape[0], k.shape[1])] = torch.full(
-                (q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
-        return cute_attn.mha_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)
+        return cute_attn.mha_with_kvcache(q, k, v, cache_seqlens=full_lengths(q, k), causal=True)
 
     out = {"cute_attn": lambda q, k, v: cute_attn.mha(q, k, v, causal=True), "cute_attn_unsplit": unsplit,
            "cute_attn_kvcache": kvcache}
+    for page_size in PAGE_SIZES:
+        def paged(q, k, v, page_size=page_size):
+            pages_k, pages_v, table = as_pages(k, v, page_size)
+            return cute_attn.mha_with_kvcache(q, pages_k, pages_v, cache_seqlens=full_lengths(q, k),
+                                              page_table=table, causal=True)
+        out[f"cute_attn_paged{page_size}"] = paged
     try:
         from flash_attn.cute import flash_attn_func
 
@@ -96,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="the issue's four shapes only")
+    p.add_argument("--grid", action="store_true", help="the cuDNN decode sweep's grid (paged, kvcache, SDPA)")
     args = p.parse_args(argv)
     from cute_attn import launcher
     from cute_attn.reference import attention_ref
@@ -104,16 +154,22 @@ def main(argv=None) -> int:
     copy_gbs = copy_bandwidth_gbs()
     harness.log(f"{device}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     fns = impls()
+    if args.grid:
+        fns = {n: f for n, f in fns.items() if n in GRID_IMPLS}
     records = []
-    for b, sq, sk, h, hkv, d in (QUICK if args.quick else SHAPES):
+    for b, sq, sk, h, hkv, d in (GRID if args.grid else QUICK if args.quick else SHAPES):
+        kv_bytes = 2 * b * sk * hkv * d * 2
+        if 3 * kv_bytes > torch.cuda.mem_get_info()[0]:  # K, V and SDPA's working room
+            harness.log(f"b{b} q{sq} k{sk}: skipped, {kv_bytes / 2**30:.0f} GiB of K/V does not fit")
+            continue
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         features, run_args = __import__("cute_attn").api._features_and_args(True, (-1, -1), 0.0, d ** -0.5)
         splits = launcher.choose_splits(q, k, features, run_args, launcher._default_fwd_kernel(q, k, features)[1])
-        ref, _ = attention_ref(q[:1], k[:1], v[:1], causal=True)
         timers, errors = {}, {}
         for name, fn in fns.items():
             try:
+                ref, _ = attention_ref(q[:1], *entry0_keys(name, k, v), causal=True)
                 err = (fn(q, k, v)[:1].float() - ref).abs().max().item()
                 if err > 0.05:
                     raise RuntimeError(f"wrong result (max error {err:.3g})")
@@ -125,7 +181,8 @@ def main(argv=None) -> int:
         nbytes = moved_bytes(b, sq, sk, h, hkv, d)
         # host time of the decode call (a loop of calls with one sync at the end; above
         # the GPU time it would be what the timings measure)
-        host_us = harness.host_us_per_call(lambda: fns["cute_attn"](q, k, v), 300, 20)
+        host_name = "cute_attn_kvcache" if args.grid else "cute_attn"
+        host_us = harness.host_us_per_call(lambda: fns[host_name](q, k, v), 300, 20)
         rec = {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_kv": hkv, "head_dim": d,
                "causal": True, "bytes": nbytes, "cute_attn_splits": splits, "cute_attn_host_us": host_us, "skipped": errors, "impls": {}}
         cells = []
@@ -136,13 +193,19 @@ def main(argv=None) -> int:
             cells.append(f"{name} {med * 1e3:8.1f} us {gbs:6.0f} GB/s ({100 * gbs / copy_gbs:3.0f}%)")
         harness.log(f"b{b} q{sq} k{sk} h{h}/{hkv} d{d} splits {splits} host {host_us:.1f} us: " + " | ".join(cells)
                     + (f"  skipped {errors}" if errors else ""))
+        published = CUDNN_H200_PUBLISHED.get((b, sq, sk), CUDNN_H200_PUBLISHED.get((b, sq, None)))
+        if published is not None:
+            rec["cudnn_h200_published_gbs"] = published
         records.append(rec)
+        q = k = v = None  # free them before the next shape
+        _tables.clear()
+        _lengths.clear()
     doc = {"device": device, "copy_bandwidth_gbs": copy_gbs, "torch": torch.__version__,
            "method": f"do_bench median, {args.rounds} interleaved rounds, bf16, random normal inputs",
            "records": records}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"{harness.device_slug(device)}-decode.json"
+        path = args.out / f"{harness.device_slug(device)}-decode{'-grid' if args.grid else ''}.json"
         path.write_text(json.dumps(doc, indent=1))
         harness.log(f"wrote {path}")
     return 0

@@ -75,6 +75,9 @@ class Case:
     lengths: tuple | None = None
     backward: bool = True
     deterministic: bool = False
+    kvcache: bool = False  # mha_with_kvcache: seqlen_q new tokens appended to a seqlen_k cache
+    num_splits: int = 0  # kvcache cases: forced split-KV count (0 = the heuristic)
+    page_size: int = 0  # kvcache cases: a paged cache of this page size, random page table
     extra: dict = field(default_factory=dict, compare=False)
 
 
@@ -92,6 +95,15 @@ CASES = (
     Case("hd256-causal", head_dim=256, causal=True),
     Case("fp16-window-gqa", dtype="fp16", nheads=4, nheads_kv=1, window_size=(100, 0)),
     Case("deterministic-causal-gqa", nheads=4, nheads_kv=2, causal=True, deterministic=True),
+    # batch 1, one query, 3000 keys: a grid of 2 CTAs, so mha takes split-KV + the combine
+    Case("split-decode-gqa", batch=1, seqlen_q=1, seqlen_k=3000, nheads=8, nheads_kv=2,
+         causal=True, backward=False),
+    # per-entry lengths read on the device, in-place append, forced 3 splits + combine
+    Case("kvcache-append-split", batch=3, seqlen_q=2, seqlen_k=700, nheads=8, nheads_kv=2,
+         causal=True, backward=False, kvcache=True, num_splits=3),
+    # a paged cache, 16-key pages (8 TMA boxes per KV block) in a permuted page table
+    Case("kvcache-paged16", batch=3, seqlen_q=2, seqlen_k=704, nheads=8, nheads_kv=2,
+         causal=True, backward=False, kvcache=True, num_splits=2, page_size=16),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -167,6 +179,9 @@ def run_case(case):
     d, h, hk = case.head_dim, case.nheads, case.nheads_kv
     kwargs = dict(causal=case.causal, window_size=case.window_size, softcap=case.softcap,
                   deterministic=case.deterministic)
+    if case.kvcache:
+        run_kvcache_case(case, randn)
+        return
     if case.lengths is None:
         q = randn(case.batch, case.seqlen_q, h, d)
         k, v = randn(case.batch, case.seqlen_k, hk, d), randn(case.batch, case.seqlen_k, hk, d)
@@ -193,6 +208,38 @@ def run_case(case):
         raise AssertionError(f"{case.name}: out has elements the forward never wrote")
     if case.backward:
         torch.autograd.grad(out, tensors, torch.randn_like(out))
+    torch.cuda.synchronize()
+
+
+def run_kvcache_case(case, randn):
+    """One decode step: entries of different lengths (0, partly filled, full after the
+    append), seqlen_q new keys and values appended in place, then attention."""
+    import torch
+
+    import cute_attn
+
+    d, h, hk, b = case.head_dim, case.nheads, case.nheads_kv, case.batch
+    # finite padding: slots past a length that share its last tile are read and masked
+    k_cache = torch.zeros(b, case.seqlen_k, hk, d, device="cuda", dtype=randn(1).dtype)
+    v_cache = torch.zeros_like(k_cache)
+    filled = torch.tensor([0, case.seqlen_k // 3, case.seqlen_k - case.seqlen_q][:b],
+                          dtype=torch.int32, device="cuda")
+    for i, n in enumerate(filled.tolist()):
+        k_cache[i, :n], v_cache[i, :n] = randn(n, hk, d), randn(n, hk, d)
+    q = randn(b, case.seqlen_q, h, d)
+    k_new, v_new = randn(b, case.seqlen_q, hk, d), randn(b, case.seqlen_q, hk, d)
+    page_table = None
+    if case.page_size:  # the same rows cut into pages, in a random order
+        pages = b * case.seqlen_k // case.page_size
+        order = torch.randperm(pages, device="cuda")
+        page_table = order.to(torch.int32).view(b, -1)
+        k_cache, v_cache = (torch.empty_like(c).view(pages, case.page_size, hk, d).index_copy_(
+            0, order, c.view(pages, case.page_size, hk, d)) for c in (k_cache, v_cache))
+    poison_next_outputs(q)
+    out = cute_attn.mha_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=filled,
+                                     page_table=page_table, causal=case.causal, num_splits=case.num_splits)
+    if out.isnan().any():
+        raise AssertionError(f"{case.name}: out has elements the forward never wrote")
     torch.cuda.synchronize()
 
 

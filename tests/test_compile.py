@@ -336,11 +336,13 @@ def test_split_combine_compiles(dtype, varlen):
     assert "st.global.b16" in ptx and "st.global.b32" in ptx  # O (16-bit), LSE (fp32)
 
 
-@pytest.mark.parametrize("page_size", [128, 256])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
 @pytest.mark.parametrize("split", [False, True])
-def test_paged_kv_forward_compiles_and_reads_the_page_table(page_size, split):
-    """FwdConfig.page_size (whole-tile pages, with kv_lengths): compiles spill-free, and
-    its producer reads the page table (32-bit global loads the unpaged kernel lacks)."""
+def test_paged_kv_forward_compiles_and_loads_a_box_per_page(page_size, split):
+    """FwdConfig.page_size (with kv_lengths): compiles spill-free, its producer reads the
+    page table (one 32-bit global load per block the unpaged kernel lacks), and a KV block
+    that spans pages is tile_n / page_size TMA boxes: that many times the unpaged
+    kernel's K/V TMA loads (4-D: seqlen, head_dim, heads, batch or page)."""
     import dataclasses
 
     from cute_attn import launcher
@@ -348,22 +350,32 @@ def test_paged_kv_forward_compiles_and_reads_the_page_table(page_size, split):
 
     features = AttnFeatures(mask="causal", kv_lengths=True)
     base = dataclasses.replace(fwd_config_for(128, features, 4), split_kv=split)
-    paged = launcher.compile_fwd(
-        launcher.FwdKey("bf16", 128, features, dataclasses.replace(base, page_size=page_size)), "--keep-ptx").__ptx__
+    paged_config = dataclasses.replace(fwd_config_for(128, features, 4, page_size), split_kv=split)
+    assert paged_config.tile_n == base.tile_n == 128
+    paged = launcher.compile_fwd(launcher.FwdKey("bf16", 128, features, paged_config), "--keep-ptx").__ptx__
     plain = launcher.compile_fwd(launcher.FwdKey("bf16", 128, features, base), "--keep-ptx").__ptx__
     loads = re.compile(r"ld\.global(\.nc)?\.(u|s|b)32")
     assert len(loads.findall(paged)) > len(loads.findall(plain))
+    kv_boxes = re.compile(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global")
+    assert len(kv_boxes.findall(paged)) == max(1, 128 // page_size) * len(kv_boxes.findall(plain))
     report = ptx_tool.ptxas_report(paged)
     if "ptxas not found" not in report:
         m = re.search(r"(\d+) bytes spill stores", report)
         assert m and int(m.group(1)) == 0, report
 
 
-def test_page_size_must_be_whole_tiles():
+def test_page_size_must_nest_with_the_kv_block():
     import dataclasses
 
     from cute_attn.config import fwd_config_for
 
     base = fwd_config_for(128, AttnFeatures(kv_lengths=True))
-    with pytest.raises(ValueError, match="page_size"):
-        dataclasses.replace(base, page_size=64)
+    for bad in (24, 48, 192, 12):
+        with pytest.raises(ValueError, match="page_size"):
+            dataclasses.replace(base, page_size=bad)
+    # head dims whose blocks (96, 80 keys) do not nest with a page size take 64-key blocks
+    features = AttnFeatures(kv_lengths=True)
+    assert [fwd_config_for(256, features, page_size=p).tile_n for p in (16, 32, 64, 128, 256)] == [80, 64, 64, 64, 64]
+    assert [fwd_config_for(192, features, page_size=p).tile_n for p in (16, 32, 64, 128, 256)] == [96, 96, 64, 64, 64]
+    assert fwd_config_for(128, features, page_size=16).kv_box_rows == 16
+    assert fwd_config_for(128, features, page_size=256).kv_box_rows == 128

@@ -1,6 +1,6 @@
 """cute_attn.mha_with_kvcache without a GPU: the append (in place, on the device, clamped
 into the cache), what reaches the launcher (kv_lengths features, the per-entry key counts
-in the cu_seqlens_k slot, the split count), and what is refused (paged caches, for now).
+in the cu_seqlens_k slot, the page table, the split count), and what is refused.
 The launcher is a stand-in that records its call; validation runs with every check but
 the device's (CPU tensors)."""
 
@@ -81,14 +81,24 @@ def test_out_of_range_positions_are_clamped_into_the_cache(launcher):
         cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, check_inputs=True)
 
 
-def test_paged_cache_is_refused_before_any_write(launcher):
+def test_paged_cache_appends_through_its_table_and_reaches_the_launcher(launcher):
     q, _, _, k, v = _inputs()
-    pages = torch.zeros(12, 16, 2, 64, dtype=torch.bfloat16)
-    table = torch.arange(12, dtype=torch.int32).view(3, 4)
-    with pytest.raises(NotImplementedError, match="paged"):
-        cute_attn.mha_with_kvcache(q, pages, pages.clone(), k, v, cache_seqlens=torch.zeros(3, dtype=torch.int32),
-                                   page_table=table)
-    assert torch.equal(pages, torch.zeros_like(pages)) and launcher.calls == []
+    g = torch.Generator().manual_seed(1)
+    pages_k = torch.randn(12, 16, 2, 64, generator=g).to(torch.bfloat16)
+    pages_v = torch.randn(12, 16, 2, 64, generator=g).to(torch.bfloat16)
+    table = torch.randperm(12, generator=g).to(torch.int32).view(3, 4)
+    lengths = torch.tensor([15, 0, 62], dtype=torch.int32)  # entry 0 crosses a page
+    before = pages_k.clone()
+    cute_attn.mha_with_kvcache(q, pages_k, pages_v, k, v, cache_seqlens=lengths, page_table=table, causal=True)
+    for b, n in enumerate((15, 0, 62)):
+        for t in range(2):
+            page, row = int(table[b, (n + t) // 16]), (n + t) % 16
+            assert torch.equal(pages_k[page, row], k[b, t]) and torch.equal(pages_v[page, row], v[b, t])
+            before[page, row] = k[b, t]
+    assert torch.equal(pages_k, before)  # nothing else written
+    (call,) = launcher.calls
+    assert call["k"] is pages_k and call["args"].page_table is table
+    assert call["args"].cu_seqlens_k.tolist() == [17, 2, 64]
 
 
 def test_flash_attn_with_kvcache_is_the_same_call(launcher):
@@ -118,7 +128,7 @@ def test_flash_attn_with_kvcache_refuses_what_it_cannot_do(launcher, name):
 
 
 def test_paged_append_writes_through_the_page_table():
-    """kvcache._append with a page table (the paged path's append, ahead of the API opening it):
+    """kvcache._append with a page table:
     positions land in the pages the table names, the rest of the pages is untouched,
     and the new lengths are cache_seqlens + seqlen_new."""
     from cute_attn.kvcache import _append
@@ -156,7 +166,8 @@ class ReferenceLauncher:
 
         assert features.kv_lengths
         self.calls += 1
-        out, lse, _, _ = kvcache_attention_ref(q, k, v, args.cu_seqlens_k, **ref_kwargs(features, args))
+        out, lse, _, _ = kvcache_attention_ref(q, k, v, args.cu_seqlens_k, page_table=args.page_table,
+                                               **ref_kwargs(features, args))
         result = torch.empty_like(q)
         result.copy_(out)
         return result, lse.float().contiguous()
@@ -180,11 +191,12 @@ def reference_op(monkeypatch):
 
 def test_fwd_kvcache_schema_and_opcheck(reference_op):
     schema = str(torch.ops.cute_attn.fwd_kvcache.default._schema)
-    assert schema == ("cute_attn::fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, str mask, "
+    assert schema == ("cute_attn::fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? page_table, "
+                      "str mask, "
                       "float softmax_scale, float softcap, SymInt window_left, SymInt window_right, "
                       "SymInt num_splits) -> (Tensor, Tensor)")
     q, k_cache, v_cache, _, _ = _inputs()
-    args = (q.float(), k_cache.float(), v_cache.float(), torch.tensor([5, 0, 64], dtype=torch.int32), "causal",
+    args = (q.float(), k_cache.float(), v_cache.float(), torch.tensor([5, 0, 64], dtype=torch.int32), None, "causal",
             0.125, 0.0, UNBOUNDED, 0, 0)
     torch.library.opcheck(torch.ops.cute_attn.fwd_kvcache.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

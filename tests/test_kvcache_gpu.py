@@ -124,3 +124,119 @@ def test_decode_step_in_a_cuda_graph():
         expected = step()
         assert torch.equal(k_replayed, k_cache) and torch.equal(v_replayed, v_cache)
         assert torch.equal(out_replayed, expected)
+
+
+# ----------------------------------------------------------------------------------------
+# Paged caches: (num_pages, page_size, heads_kv, d) with a random page table
+# ----------------------------------------------------------------------------------------
+
+PAGE_SIZES = (16, 32, 64, 128, 256)
+# forced and automatic split counts, spread over the page sizes
+SPLITS_BY_PAGE_SIZE = {16: 0, 32: 1, 64: 3, 128: 0, 256: 5}
+UNUSED_SLOT = 2**30  # page-table slots past an entry's pages: never looked up
+
+PAGED_CASES = [
+    # (batch, seqlen_q, capacity, heads, heads_kv, d, seqlen_new, lengths, kwargs)
+    (4, 1, 4096, 32, 8, 128, 1, (0, 4095, 1234, 77), dict(causal=True)),
+    (2, 16, 4096, 64, 4, 128, 16, (4080, 1000), dict(causal=True, softcap=30.0)),
+    (2, 8, 4096, 16, 1, 64, 0, (4095, 3333), dict(window_size=(511, 0))),
+    (3, 2, 1024, 32, 8, 256, 2, (1, 700, 1022), dict()),
+]
+
+
+def _paged(k_cache, v_cache, lengths, seqlen_new, page_size, seed):
+    """The contiguous caches cut into pages, scattered by a random permutation into a
+    larger pool (more pages than the entries use; the spare pages hold random values too),
+    with the first page of entry 0 also listed by entry 1 when both only read it (a shared
+    prefix), and UNUSED_SLOT in the slots past each entry's pages."""
+    batch, capacity, heads_kv, d = k_cache.shape
+    max_pages = capacity // page_size
+    num_pages = batch * max_pages + 5
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    table = torch.randperm(num_pages, device="cuda", generator=g)[:batch * max_pages].view(batch, max_pages)
+    table = table.to(torch.int32)
+    pools = []
+    for cache in (k_cache, v_cache):
+        pool = torch.randn(num_pages, page_size, heads_kv, d, device="cuda", generator=g).to(cache.dtype)
+        pool[table.flatten().long()] = cache.reshape(batch * max_pages, page_size, heads_kv, d)
+        pools.append(pool)
+    if batch > 1 and min(lengths[0], lengths[1]) >= page_size:
+        table[1, 0] = table[0, 0]
+        for pool, cache in zip(pools, (k_cache, v_cache)):
+            cache[1, :page_size] = pool[table[0, 0]]  # what entry 1 now reads
+    for b, n in enumerate(lengths):
+        table[b, -(-(n + seqlen_new) // page_size) or 1:] = UNUSED_SLOT
+    return pools[0], pools[1], table
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: f"b{c[0]}q{c[1]}cap{c[2]}h{c[3]}kv{c[4]}d{c[5]}new{c[6]}")
+def test_paged_matches_reference_and_appends(case, page_size):
+    batch, sq, cap, h, hkv, d, new, lengths, kw = case
+    seed = sum(lengths) + page_size
+    q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(batch, sq, cap, h, hkv, d, new, lengths, seed=seed)
+    pages_k, pages_v, table = _paged(k_cache, v_cache, lengths, new, page_size, seed)
+    ref_out, ref_lse, k_after, v_after = kvcache_attention_ref(q, pages_k, pages_v, seqlens, k_new, v_new,
+                                                               page_table=table, **kw)
+    # the same attention on the contiguous caches, in bf16: the yardstick
+    _, _, k_flat, v_flat = kvcache_attention_ref(q, k_cache, v_cache, seqlens, k_new, v_new, **kw)
+    low = _reference_low(q, k_flat, v_flat, lengths, new, **kw)
+    poison_allocator(q.numel() * 2, q.numel() // d * 4)
+    out, lse = cute_attn.mha_with_kvcache(q, pages_k, pages_v, k_new, v_new, cache_seqlens=seqlens,
+                                          page_table=table, num_splits=SPLITS_BY_PAGE_SIZE[page_size],
+                                          return_lse=True, **kw)
+    assert torch.equal(pages_k, k_after) and torch.equal(pages_v, v_after)
+    assert out.shape == q.shape and not out.isnan().any() and not lse.isnan().any()
+    err = (out.float() - ref_out).abs().max().item()
+    err_torch = (low.float() - ref_out).abs().max().item()
+    assert err <= 2 * err_torch + 1e-5, (err, err_torch)
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (lse[~empty] - ref_lse[~empty]).abs().max().item() <= 1e-3 + 2 * kw.get("softcap", 0.0) * 2 ** -11
+
+
+def test_paged_bad_page_index_is_rejected_or_reads_nothing_outside():
+    q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(2, 1, 512, 8, 8, 128, 1, (300, 20), seed=4)
+    pages_k, pages_v, table = _paged(k_cache, v_cache, (300, 20), 1, 16, seed=4)
+    table[0, 3] = pages_k.shape[0] + 1000  # a page that does not exist, read by entry 0
+    with pytest.raises(ValueError, match="entry 0|batch entry 0|\\[0"):
+        cute_attn.mha_with_kvcache(q, pages_k, pages_v, k_new, v_new, cache_seqlens=seqlens, page_table=table,
+                                   check_inputs=True)
+    out = cute_attn.mha_with_kvcache(q, pages_k, pages_v, cache_seqlens=seqlens, page_table=table)
+    torch.cuda.synchronize()  # an out-of-bounds read would fault here (the sanitizer run checks the rest)
+    assert not out.isnan().any()
+
+
+def test_paged_decode_step_in_a_cuda_graph():
+    """A paged decode step captured once and replayed with new lengths, new tokens and a
+    new page table (copied into the captured tensors)."""
+    q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(2, 1, 8192, 32, 8, 128, 1, (100, 5000), seed=5)
+    pages_k, pages_v, table = _paged(k_cache, v_cache, (100, 5000), 1, 16, seed=5)
+    table.copy_(torch.where(table == UNUSED_SLOT, 0, table))  # every slot usable by the replays
+
+    def step():
+        return cute_attn.mha_with_kvcache(q, pages_k, pages_v, k_new, v_new, cache_seqlens=seqlens,
+                                          page_table=table, causal=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lengths in ((101, 5001), (7000, 0)):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        table.copy_(table.flip(0))
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        k_snapshot, v_snapshot = pages_k.clone(), pages_v.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        k_replayed, v_replayed, out_replayed = pages_k.clone(), pages_v.clone(), out.clone()
+        pages_k.copy_(k_snapshot)
+        pages_v.copy_(v_snapshot)
+        expected = step()
+        assert torch.equal(k_replayed, pages_k) and torch.equal(v_replayed, pages_v)
+        assert torch.equal(out_replayed, expected)

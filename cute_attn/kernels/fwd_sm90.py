@@ -41,9 +41,9 @@ Features (config.AttnFeatures, one specialisation each; their values are run-tim
   * softcap: S <- tanh(S * scale / softcap) before the mask, softmax scaled by softcap.
   * kv_lengths: a KV cache, whose entry b uses its first cu_seqlens_k[b] keys (the
     argument slot holds those lengths, blocks/seqlen.py); masks align to that length.
-    With FwdConfig.page_size the cache is paged: K and V are one sequence of pages and
-    the producer loads logical block n of entry b from page page_table[b, ...]
-    (physical_block); whole-tile pages for now.
+    With FwdConfig.page_size the cache is paged, (num_pages, page_size, heads_kv,
+    head_dim): the producer assembles each KV block from TMA boxes of kv_box_rows rows,
+    each read from the page page_table names (load_kv_paged).
   * varlen: packed sequences located by cu_seqlens (blocks/seqlen.py); tiles past a
     sequence's end exit at once, and O leaves row by row instead of by TMA so that a
     partial tile never writes into the next sequence.
@@ -157,6 +157,7 @@ class FlashFwdSm90:
         self.pack_gqa = config.pack_gqa
         self.split_kv = config.split_kv
         self.page_size = config.page_size
+        self.kv_box_rows = config.kv_box_rows
         assert self.page_size == 0 or features.kv_lengths, "a paged cache needs kv_lengths"
         assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
         # causal-like masks: the last query blocks see the most keys, so they go first
@@ -168,8 +169,8 @@ class FlashFwdSm90:
     def __call__(
         self,
         mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim); varlen: (1, total_q, ...)
-        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
-        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim); paged: (num_pages, page_size, ...)
+        mV: cute.Tensor,  # like mK
         mO: cute.Tensor,  # like mQ; split-KV: fp32 (num_splits * batch, seqlen_q, heads, head_dim)
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q), float32; varlen: (1, heads, total_q);
         # split-KV: (num_splits * batch, heads, seqlen_q)
@@ -205,11 +206,16 @@ class FlashFwdSm90:
         )
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         kv_stage = cute.select(sK_layout, mode=[0, 1])
+        # K and V boxes: a whole stage, or (paged, pages shorter than a block) one page's
+        # rows of it, whose swizzle atoms (8 rows) line up with the stage's (load_kv_paged)
+        kv_box = kv_stage
+        if cutlass.const_expr(self.kv_box_rows < self.tile_n):
+            kv_box = mma_sm90.make_smem_layout(self.dtype, self.kv_box_rows, d)
         q_tma = make_tma_tensor(load_op, mQ, layouts.sQ, (self.tile_m, d))
         g = FwdGlobals(
             q=q_tma,
-            k=make_tma_tensor(load_op, mK, kv_stage, (self.tile_n, d)),
-            v=make_tma_tensor(load_op, mV, cute.select(layouts.sV, mode=[0, 1]), (self.tile_n, d)),
+            k=make_tma_tensor(load_op, mK, kv_box, (self.kv_box_rows, d)),
+            v=make_tma_tensor(load_op, mV, kv_box, (self.kv_box_rows, d)),
             o=self._o_store(mO, layouts.sQ, q_tma),
             o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, page_table=mPageTable,
         )
@@ -272,8 +278,12 @@ class FlashFwdSm90:
         mQ, mK = g.q.tensor, g.k.tensor
         # packed GQA: the row mode is (group, seqlen_q); the sequence is its second part
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack_gqa > 1) else mQ.shape[0]
+        # the keys an entry can hold: the cache's rows, or its page-table row's pages
+        capacity_k = mK.shape[0]
+        if cutlass.const_expr(self.page_size > 0):
+            capacity_k = g.page_table.shape[1] * self.page_size
         seqlen = SeqlenInfo(
-            tile.batch, seqlen_q, mK.shape[0], g.cu_seqlens_q, g.cu_seqlens_k, self.features.varlen,
+            tile.batch, seqlen_q, capacity_k, g.cu_seqlens_q, g.cu_seqlens_k, self.features.varlen,
             kv_lengths=self.features.kv_lengths,
         )
         window = Window(self.features.mask, window_left, window_right)
@@ -304,60 +314,91 @@ class FlashFwdSm90:
         head_kv = head // (g.q.tensor.shape[2] // g.k.tensor.shape[2])
         d = self.head_dim
         gQ = cute.local_tile(seqlen.rows_q(g.q.tensor, head), (self.tile_m, d), (m_block, 0))
-        # a paged cache is one sequence of pages (batch 0), blocks found by physical_block
-        kv_batch = seqlen.batch
-        if cutlass.const_expr(self.page_size > 0):
-            kv_batch = Int32(0)
-        gK = cute.local_tile(seqlen.rows_k(g.k.tensor, head_kv, kv_batch), (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(seqlen.rows_k(g.v.tensor, head_kv, kv_batch), (self.tile_n, d), (None, 0))
         tQsQ, tQgQ = tma_partition(g.q, smem.q, gQ)
-        tKsK, tKgK = tma_partition(g.k, smem.k, gK)
-        tVsV, tVgV = tma_partition(g.v, smem.v, gV)
-
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipes.q.producer_acquire(q_state)
         cute.copy(g.q.atom, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
 
+        if cutlass.const_expr(self.page_size > 0):
+            # (box, stage-slot, 1, stages) and (box, box-in-page, 1, page): a block is
+            # tile_n / kv_box_rows boxes, each one from a page the table names
+            box = (self.kv_box_rows, d)
+            sK, sV = (cute.tiled_divide(t, box) for t in (smem.k, smem.v))
+            gK, gV = (cute.tiled_divide(t.tensor[None, None, head_kv, None], box) for t in (g.k, g.v))
+            tKsK, tKgK = tma_partition(g.k, sK, gK, tile_rank=1)
+            tVsV, tVgV = tma_partition(g.v, sV, gV, tile_rank=1)
+        else:
+            gK = cute.local_tile(seqlen.rows_k(g.k.tensor, head_kv), (self.tile_n, d), (None, 0))
+            gV = cute.local_tile(seqlen.rows_k(g.v.tensor, head_kv), (self.tile_n, d), (None, 0))
+            tKsK, tKgK = tma_partition(g.k, smem.k, gK)
+            tVsV, tVgV = tma_partition(g.v, smem.v, gV)
+
         n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block, tile.split)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        load_k = (g.k.atom, tKgK, tKsK, pipes.k)
-        load_v = (g.v.atom, tVgV, tVsV, pipes.v)
-        b = seqlen.batch
+        load_k = (g, seqlen, g.k.atom, tKgK, tKsK, pipes.k)
+        load_v = (g, seqlen, g.v.atom, tVgV, tVsV, pipes.v)
         if n_block_max > n_block_min:
-            self.load_kv(*load_k, kv_state, self.physical_block(g, b, n_block_max - 1))
+            self.load_kv(*load_k, kv_state, n_block_max - 1)
             if cutlass.const_expr(not self.intra_wg_overlap):
-                self.load_kv(*load_v, kv_state, self.physical_block(g, b, n_block_max - 1))
+                self.load_kv(*load_v, kv_state, n_block_max - 1)
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                 n_block = n_block_max - 2 - i
                 prev_state = kv_state.clone()
                 kv_state.advance()
-                self.load_kv(*load_k, kv_state, self.physical_block(g, b, n_block))
+                self.load_kv(*load_k, kv_state, n_block)
                 if cutlass.const_expr(self.intra_wg_overlap):
                     # V runs one block behind K, matching the consumers' order
-                    self.load_kv(*load_v, prev_state, self.physical_block(g, b, n_block + 1))
+                    self.load_kv(*load_v, prev_state, n_block + 1)
                 else:
-                    self.load_kv(*load_v, kv_state, self.physical_block(g, b, n_block))
+                    self.load_kv(*load_v, kv_state, n_block)
             if cutlass.const_expr(self.intra_wg_overlap):
-                self.load_kv(*load_v, kv_state, self.physical_block(g, b, n_block_min))
+                self.load_kv(*load_v, kv_state, n_block_min)
 
     @cute.jit
-    def physical_block(self, g: FwdGlobals, batch, n_block):
-        """The KV block to load for logical block n_block of entry `batch`: itself for a
-        contiguous cache; for a paged one, block (n_block mod blocks per page) of page
-        page_table[batch, n_block / blocks per page] in the sequence of pages."""
-        block = n_block
+    def load_kv(self, g: FwdGlobals, seqlen: SeqlenInfo, tma_atom, tXgX, tXsX, pipeline_x, state, n_block):
+        """Block n_block of K or V into stage state.index, once the stage is free."""
         if cutlass.const_expr(self.page_size > 0):
-            per_page = self.page_size // self.tile_n
-            block = g.page_table[batch, n_block // per_page] * per_page + n_block % per_page
-        return block
+            self.load_kv_paged(g, seqlen, tma_atom, tXgX, tXsX, pipeline_x, state, n_block)
+        else:
+            pipeline_x.producer_acquire(state)
+            cute.copy(
+                tma_atom, tXgX[None, n_block], tXsX[None, state.index],
+                tma_bar_ptr=pipeline_x.producer_get_barrier(state),
+            )
 
     @cute.jit
-    def load_kv(self, tma_atom, tXgX, tXsX, pipeline_x, state, n_block):
+    def load_kv_paged(self, g: FwdGlobals, seqlen: SeqlenInfo, tma_atom, tXgX, tXsX, pipeline_x, state, n_block):
+        """Logical block n_block of entry seqlen.batch from a paged cache: box j of the
+        block (kv_box_rows keys) is logical box L = n_block * boxes_per_block + j, found
+        in page page_table[batch, L / boxes_per_page] at box L mod boxes_per_page.
+
+        Lane j of the producer warp looks up box j (one coalesced load for the block),
+        before the wait for a free stage so that its latency hides behind the wait; the
+        elected lane then takes each box's page from lane j by a shuffle (the producer
+        has 24-32 registers: a page per box held by every lane spilled at 8 boxes).
+        Boxes past the entry's last key repeat its last box: their rows are masked like
+        any key past the length, and no page-table slot past the entry's pages is read.
+        Page indices are not range-checked: TMA clips coordinates outside the cache
+        (zero fill), so a bad index reads nothing outside it (check_inputs reports it)."""
+        boxes_per_block = self.tile_n // self.kv_box_rows
+        boxes_per_page = self.page_size // self.kv_box_rows
+        last_box = (seqlen.seqlen_k - 1) // self.kv_box_rows
+        box = n_block * boxes_per_block
+        if cutlass.const_expr(boxes_per_block > 1):
+            box += cute.arch.lane_idx()
+        box = cutlass.min(box, last_box)
+        page = g.page_table[seqlen.batch, box // boxes_per_page]
+        box_in_page = box % boxes_per_page
         pipeline_x.producer_acquire(state)
-        cute.copy(
-            tma_atom, tXgX[None, n_block], tXsX[None, state.index],
-            tma_bar_ptr=pipeline_x.producer_get_barrier(state),
-        )
+        for j in cutlass.range_constexpr(boxes_per_block):
+            page_j, box_in_page_j = page, box_in_page
+            if cutlass.const_expr(boxes_per_block > 1):
+                page_j = cute.arch.shuffle_sync(page, j)
+                box_in_page_j = Int32(0)  # a box per page: pages shorter than a block
+            cute.copy(
+                tma_atom, tXgX[None, box_in_page_j, 0, page_j], tXsX[None, j, 0, state.index],
+                tma_bar_ptr=pipeline_x.producer_get_barrier(state),
+            )
 
     # ------------------------------------------------------------------------------------
     # Consumers: WGMMA + online softmax + epilogue
