@@ -23,9 +23,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from cute_attn.api import _NO_WINDOW
+from cute_attn.config import CAPABILITIES, DTYPE_OF_INPUT
 from cute_attn.validation import (
+    FOLD_MAX,
+    FOLD_MIN,
     _BOOL_TYPES,
     _capturing_cuda_graph,
+    _check_softcap_scale,
+    _device_capability,
+    _is_compiling,
     _check_dtypes,
     _check_equal,
     _check_is_tensor,
@@ -95,6 +101,17 @@ def validate_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     softcap = softcap if (type(softcap) is float and softcap == 0.0) else validate_softcap(softcap)
     _check_num_splits(num_splits)
 
+    if not check_inputs and _plainly_valid(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale):
+        # the common decode step: every rule below holds (checked in a few attribute reads)
+        if softcap:
+            _check_softcap_scale(softcap, softmax_scale, q.shape[3])
+        batch, seqlen_q, nheads, head_dim = q.shape
+        page_size = None if page_table is None else k_cache.shape[1]
+        capacity = k_cache.shape[1] if page_table is None else page_table.shape[1] * page_size
+        return KvcacheProblem(batch, seqlen_q, nheads, k_cache.shape[2], head_dim, 0 if k is None else k.shape[1],
+                              capacity, page_size, None if page_table is None else k_cache.shape[0], causal,
+                              return_lse, window, softcap, num_splits)
+
     tensors = _check_tensors(q, k_cache, v_cache, k, v, paged=page_table is not None)
     policy = _check_same_dtype(tensors)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -119,6 +136,84 @@ def validate_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         check_kvcache_values(cache_seqlens, seqlen_new, capacity, page_table, num_pages)
     return KvcacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, seqlen_new, capacity,
                           page_size, num_pages, causal, return_lse, window, softcap, num_splits)
+
+
+def _plainly_valid(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale):
+    """validation._plainly_valid for a decode step: the common case in as few attribute
+    reads as possible (a decode call's host time is its budget: issue 12 asks <= 20 us).
+    False means "look closer", never "invalid": the detailed checks then name the problem.
+    Nonempty calls only (batch, seqlen_q, heads and the cache at least 1)."""
+    tensor = torch.Tensor
+    if type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor:
+        return False
+    if type(cache_seqlens) is not tensor or cache_seqlens.dtype is not torch.int32:
+        return False
+    qs, cs = q.shape, k_cache.shape
+    if len(qs) != 4 or len(cs) != 4 or v_cache.shape != cs:
+        return False
+    dtype, fwd = q.dtype, CAPABILITIES["fwd"]
+    policy = DTYPE_OF_INPUT.get(dtype)
+    if policy is None or policy.name not in fwd.dtypes or k_cache.dtype is not dtype or v_cache.dtype is not dtype:
+        return False
+    b, sq, h, d = qs
+    hkv = cs[2]
+    if b < 1 or sq < 1 or h < 1 or hkv < 1 or h % hkv or cs[3] != d or d not in fwd.head_dims or cs[1] < 1:
+        return False
+    if cache_seqlens.shape != (b,):
+        return False
+    if page_table is None:
+        if cs[0] != b:
+            return False
+        capacity = cs[1]
+    else:
+        if type(page_table) is not tensor or page_table.dtype is not torch.int32 or cs[1] not in PAGE_SIZES:
+            return False
+        ps = page_table.shape
+        if len(ps) != 2 or ps[0] != b or ps[1] < 1 or cs[0] < 1 or (ps[1] > 1 and page_table.stride(1) != 1):
+            return False
+        capacity = ps[1] * cs[1]
+    elems = policy.align_elems
+    qt, kt, vt = q.stride(), k_cache.stride(), v_cache.stride()
+    if qt[3] != 1 or kt[3] != 1 or vt[3] != 1:
+        return False
+    if not (qt[0] and qt[1] and qt[2] and kt[0] and kt[1] and kt[2] and vt[0] and vt[1] and vt[2]):
+        return False
+    compiling = _is_compiling()
+    if compiling:  # symbolic strides and no addresses: as validation._plainly_valid
+        if any(s % elems for s in (qt[0], qt[1], qt[2], kt[0], kt[1], kt[2], vt[0], vt[1], vt[2])):
+            return False
+    elif ((qt[0] | qt[1] | qt[2] | kt[0] | kt[1] | kt[2] | vt[0] | vt[1] | vt[2]) % elems
+          or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % policy.align_bytes):
+        return False
+    if (k is None) != (v is None):
+        return False
+    if k is not None:
+        if type(k) is not tensor or type(v) is not tensor or k.dtype is not dtype or v.dtype is not dtype:
+            return False
+        ns = k.shape
+        if len(ns) != 4 or v.shape != ns or ns[0] != b or ns[2] != hkv or ns[3] != d or ns[1] > capacity:
+            return False
+        nt, wt = k.stride(), v.stride()
+        if nt[3] != 1 or wt[3] != 1 or 0 in nt[:3] or 0 in wt[:3]:
+            return False
+        if compiling:
+            if any(s % elems for s in (nt[0], nt[1], nt[2], wt[0], wt[1], wt[2])):
+                return False
+        elif ((nt[0] | nt[1] | nt[2] | wt[0] | wt[1] | wt[2]) % elems
+              or (k.data_ptr() | v.data_ptr()) % policy.align_bytes):
+            return False
+    if softmax_scale is not None and not (type(softmax_scale) is float and FOLD_MIN <= softmax_scale <= FOLD_MAX):
+        return False
+    if not q.is_cuda:
+        return False
+    device = q.device
+    if k_cache.device != device or v_cache.device != device or cache_seqlens.device != device:
+        return False
+    if page_table is not None and page_table.device != device:
+        return False
+    if k is not None and (k.device != device or v.device != device):
+        return False
+    return compiling or _device_capability(device) == (9, 0)
 
 
 # ----------------------------------------------------------------------------------------

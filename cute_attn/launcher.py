@@ -350,13 +350,17 @@ def _lse_shape(q, features: AttnFeatures):
 # long keys) splits each query tile's KV range over several CTAs, then combines
 # ----------------------------------------------------------------------------------------
 
-_sm_counts: dict = {}
+_limits_by_device: dict = {}
 
 
-def _num_sms(device) -> int:
-    n = _sm_counts.get(device)
+def _device_limits(device) -> tuple:
+    """(SMs, peak HBM GB/s) of the device: what split_heuristic weighs a grid against."""
+    n = _limits_by_device.get(device)
     if n is None:
-        n = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        props = torch.cuda.get_device_properties(device)
+        # double data rate: 2 transfers per memory clock (kHz) over the bus (bits)
+        hbm_gbs = 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8 / 1e9
+        n = _limits_by_device[device] = (props.multi_processor_count, hbm_gbs)
     return n
 
 
@@ -375,11 +379,11 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
     pack = config.pack_gqa
     q_tiles = -(-(seqlen_q * pack) // config.tile_m)
     tiles = q_tiles * (heads // pack) * batch
-    sms = _num_sms(q.device) if q.is_cuda else 132
+    sms, hbm_gbs = _device_limits(q.device) if q.is_cuda else (132, 3350.0)
     if tiles >= split_heuristic.FILL_FRACTION * sms:  # most training calls: no further work
         return 1
     return split_heuristic.choose_num_splits(batch, heads // pack, q_tiles, -(-seqlen_k // config.tile_n),
-                                             num_sms=sms)
+                                             num_sms=sms, hbm_gbs=hbm_gbs)
 
 
 # (torch dtype, head_dim, features, unsplit config) -> (split forward, combine)

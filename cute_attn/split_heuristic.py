@@ -18,16 +18,24 @@ The rule (pure Python, no device query: the caller passes num_sms):
 1. tiles = batch x nheads_kv x seqlen_q_tiles. At tiles >= FILL_FRACTION x num_sms the
    grid already (nearly) fills the machine: 1, no split (FlashAttention's heuristics
    use the same 0.8 threshold).
-1b. With one query tile per head (decode) the kernel is memory-bound and about half the
-   SMs reach the bandwidth: tiles >= MEMORY_BOUND_FILL_FRACTION x num_sms, no split.
+1b. With one query tile per head (decode) the kernel is memory-bound, and the CTAs that
+   draw the GPU's bandwidth (memory_bound_ctas, below) may be fewer than its SMs:
+   tiles >= MEMORY_BOUND_FILL_FRACTION x memory_bound_ctas, no split.
 2. Otherwise splits = num_sms // tiles: as many CTAs as fit in one wave, never more (a
    second wave would make the slowest CTA's share the critical path twice).
-2b. Memory-bound (one query tile per head): splits = (num_sms // 2) // tiles. Measured
-   on an H100 (scratch A/B of 2026-11-25, 8 tiles: batch 1, 8 KV heads): 8 splits beat 16
-   at 128K keys (196.7-208.9 vs 201.7-203.5 us across tile configs), 32K (67.2-69.2 vs
-   71.3-72.4), 8K (28.5-29.7 vs 32.0-34.0), and 16 queries x 64/8 heads at 64K (123.7 vs
-   132.9); 32 splits (two waves) lost 10-50%. Each split adds a fixed cost (prologue,
-   pipeline fill), and half the SMs already draw the bandwidth.
+2b. Memory-bound (one query tile per head): splits = memory_bound_ctas // tiles, where
+   memory_bound_ctas depends on the GPU's HBM (memory_bound_ctas()):
+   - H100 (3.35 TB/s): num_sms // 2. Measured (scratch A/B of 2026-11-25, 8 tiles: batch
+     1, 8 KV heads): 8 splits beat 16 at 32K keys (67.2-69.2 vs 71.3-72.4 us), 8K
+     (28.5-29.7 vs 32.0-34.0) and 16 queries x 64/8 heads at 64K (123.7 vs 132.9), tied
+     at 128K (196.7-208.9 vs 201.7-203.5); 32 splits (two waves) lost 10-50%. Half the
+     SMs already draw its bandwidth, and each split adds a fixed cost.
+   - H200 (4.8 TB/s): num_sms. Measured (scratch/ab_splits.py, 2026-11-25, forced
+     splits through mha_with_kvcache): batch 1, 32/8 heads, 128K keys: 16 splits 141.0
+     us vs 8 at 198.8 (3809 vs 2701 GB/s); 16 queries x 64/8 heads at 64K: 93.2 vs
+     113.7; batch 8 (64 tiles) 2 splits vs none at 8K / 32K / 128K keys: 79.9 vs 96.8,
+     254.2 vs 357.5, 1013 vs 1388 us; batch 4 at 32K: 4 splits 138.5, 2 198.5, 1 352.6.
+     Half the SMs cannot draw 4.8 TB/s.
 3. At most kv_blocks // MIN_BLOCKS_PER_SPLIT splits, so each keeps >= MIN_BLOCKS_PER_SPLIT
    KV blocks (and never more splits than KV blocks), and at most max_splits.
 4. Then as few splits as give the same blocks per split: the forward slices
@@ -43,11 +51,15 @@ split per shape there before trusting them.
 
 # Tiles per SM at which the grid counts as full (step 1).
 FILL_FRACTION = 0.8
-# The same for memory-bound grids, one query tile per head (step 1b). Measured on an H100
-# (perf/bench_decode.py, 2026-11-25): batch 8 x 8 KV heads = 64 tiles, one query, 8K keys,
-# unsplit 104.0 us (86% of copy bandwidth) vs 2 splits 108.3 us; 8 queries x 64/8 heads
-# against 32K keys, 64 tiles: 368.9 vs 374.5 us. 64 / 132 SMs = 0.48 already saturates.
-MEMORY_BOUND_FILL_FRACTION = 0.45
+# The same for memory-bound grids, one query tile per head (step 1b), as a share of
+# memory_bound_ctas. Measured on an H100 (perf/bench_decode.py, 2026-11-25): batch 8 x 8
+# KV heads = 64 tiles, one query, 8K keys, unsplit 104.0 us (86% of copy bandwidth) vs 2
+# splits 108.3 us; 8 queries x 64/8 heads against 32K keys, 64 tiles: 368.9 vs 374.5 us.
+# 64 tiles = 0.97 of its 66 memory-bound CTAs already saturate; 0.9 keeps that margin.
+MEMORY_BOUND_FILL_FRACTION = 0.9
+# HBM bandwidth (GB/s, the GPU's peak) from which half the SMs no longer draw it (H100:
+# 3350, H200: 4800; see step 2b).
+ALL_SMS_FROM_GBS = 4000
 # KV blocks (of the forward's tile_n keys, 128 at head dims <= 128) a split keeps at
 # least: 4 blocks = 512 keys, a mainloop several times the length of the prologue and of
 # the partial write it adds (to be measured).
@@ -59,25 +71,32 @@ MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
 
 
+def memory_bound_ctas(num_sms: int, hbm_gbs: float) -> int:
+    """The CTAs (one per SM) a memory-bound forward needs to draw the GPU's bandwidth
+    (step 2b): half the SMs below ALL_SMS_FROM_GBS of peak HBM bandwidth, else all."""
+    return num_sms if hbm_gbs >= ALL_SMS_FROM_GBS else num_sms // 2
+
+
 def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks: int,
-                      num_sms: int = 132, max_splits: int = MAX_SPLITS) -> int:
+                      num_sms: int = 132, max_splits: int = MAX_SPLITS, hbm_gbs: float = 3350.0) -> int:
     """The number of splits of the keys for a forward of this shape (>= 1; 1: no split).
 
     batch, nheads_kv: the grid's batch entries and KV heads; seqlen_q_tiles: query tiles
     per (entry, KV head), with packed GQA the tiles of seqlen_q x group rows; kv_blocks:
     KV blocks (tile_n keys each) of the longest entry's keys; num_sms: the GPU's SMs
-    (132 on an H100 SXM); max_splits: the cap (MAX_SPLITS). See the module docstring for
-    the reasoning, and for the constants still to be measured.
+    (132 on an H100 SXM); max_splits: the cap (MAX_SPLITS); hbm_gbs: the GPU's peak HBM
+    bandwidth (an H100 SXM's by default). See the module docstring for the reasoning, and
+    for the constants still to be measured.
     """
     tiles = batch * nheads_kv * seqlen_q_tiles
     if tiles <= 0 or kv_blocks <= 0 or tiles >= FILL_FRACTION * num_sms:
         return 1
-    if seqlen_q_tiles == 1 and tiles >= MEMORY_BOUND_FILL_FRACTION * num_sms:
-        # one query tile per head (decode): memory-bound, and half the SMs already pull
-        # most of the bandwidth; a split would add the combine for little (step 1b)
-        return 1
-    # memory-bound (one query tile per head): fill half the SMs (step 2b)
-    target = num_sms // 2 if seqlen_q_tiles == 1 else num_sms
+    target = num_sms
+    if seqlen_q_tiles == 1:
+        # one query tile per head (decode): memory-bound (steps 1b, 2b)
+        target = memory_bound_ctas(num_sms, hbm_gbs)
+        if tiles >= MEMORY_BOUND_FILL_FRACTION * target:
+            return 1
     splits = min(target // tiles, kv_blocks // MIN_BLOCKS_PER_SPLIT, max_splits)
     if splits <= 1:
         return 1

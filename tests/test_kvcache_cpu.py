@@ -672,6 +672,21 @@ def test_long_decode_fills_half_the_sms():
     assert choose_num_splits(batch=1, nheads_kv=1, seqlen_q_tiles=1, kv_blocks=1024, num_sms=400) == split_heuristic.MAX_SPLITS
 
 
+def test_h200_decode_fills_every_sm():
+    """At 4.8 TB/s (an H200) half the SMs cannot draw the bandwidth (split_heuristic,
+    step 2b): batch 1 x 8 KV heads takes 16 splits (128 CTAs), batch 8 (64 tiles) 2, batch
+    4 4 (the measured best of 1, 2 and 4), and 128 tiles (0.97 of the SMs) none."""
+    h200 = dict(num_sms=132, hbm_gbs=4800.0)
+    assert split_heuristic.memory_bound_ctas(132, 4800.0) == 132
+    assert split_heuristic.memory_bound_ctas(132, 3350.0) == 66
+    assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=1024, **h200) == 16
+    assert choose_num_splits(batch=8, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256, **h200) == 2
+    assert choose_num_splits(batch=4, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256, **h200) == 4
+    assert choose_num_splits(batch=16, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256, **h200) == 1
+    # the H100 default keeps batch 8 unsplit (measured: 2 splits lost 4%)
+    assert choose_num_splits(batch=8, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256) == 1
+
+
 def test_short_keys_are_not_split():
     assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=MIN_BLOCKS_PER_SPLIT * 2 - 1) == 1
     assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=0) == 1

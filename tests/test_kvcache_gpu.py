@@ -240,3 +240,37 @@ def test_paged_decode_step_in_a_cuda_graph():
         expected = step()
         assert torch.equal(k_replayed, pages_k) and torch.equal(v_replayed, pages_v)
         assert torch.equal(out_replayed, expected)
+
+
+def test_fast_validation_agrees_with_the_detailed_checks(monkeypatch):
+    """kvcache_checks._plainly_valid (the per-call fast path) accepts the common decode
+    steps with the same KvcacheProblem as the detailed checks, and leaves every odd call
+    to them."""
+    from cute_attn import kvcache_checks as kc
+
+    q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(2, 1, 4096, 32, 8, 128, 1, (100, 4000), seed=6)
+    pages_k, pages_v, table = _paged(k_cache, v_cache, (100, 4000), 1, 16, seed=6)
+    calls = [
+        dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new, cache_seqlens=seqlens),
+        dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, causal=True, softcap=5.0),
+        dict(q=q, k_cache=pages_k, v_cache=pages_v, k=k_new, v=v_new, cache_seqlens=seqlens, page_table=table),
+    ]
+    fast = [kc.validate_kvcache_inputs(**c) for c in calls]
+    for c in calls:
+        assert kc._plainly_valid(c["q"], c["k_cache"], c["v_cache"], c.get("k"), c.get("v"), c["cache_seqlens"],
+                                 c.get("page_table"), None)
+    monkeypatch.setattr(kc, "_plainly_valid", lambda *args: False)
+    assert fast == [kc.validate_kvcache_inputs(**c) for c in calls]
+    monkeypatch.undo()
+    odd = [
+        (q, k_cache, v_cache, k_new, v_new, seqlens.long(), None),  # int64 lengths
+        (q, k_cache, v_cache, k_new, None, seqlens, None),  # k without v
+        (q, k_cache[:, :1].expand_as(k_cache), v_cache, None, None, seqlens, None),  # an expanded cache
+        (q, k_cache.float(), v_cache, None, None, seqlens, None),  # dtype mismatch
+        (q, pages_k, pages_v, None, None, seqlens, table.long()),  # int64 page table
+        (q, pages_k, pages_v, None, None, seqlens, None),  # pages without a table
+        (q, k_cache, v_cache, k_new[:, :, :4], v_new[:, :, :4], seqlens, None),  # new tokens' heads
+        (q.cpu(), k_cache, v_cache, None, None, seqlens, None),  # q on the host
+    ]
+    for args in odd:
+        assert not kc._plainly_valid(*args, None)
