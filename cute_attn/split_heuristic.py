@@ -30,7 +30,7 @@ The rule (pure Python, no device query: the caller passes num_sms):
      (28.5-29.7 vs 32.0-34.0) and 16 queries x 64/8 heads at 64K (123.7 vs 132.9), tied
      at 128K (196.7-208.9 vs 201.7-203.5); 32 splits (two waves) lost 10-50%. Half the
      SMs already draw its bandwidth, and each split adds a fixed cost.
-   - H200 (4.8 TB/s): num_sms. Measured (scratch/ab_splits.py, 2026-11-25, forced
+   - H200 (4.8 TB/s): num_sms. Measured (perf/ab_splits.py, 2026-11-25, forced
      splits through mha_with_kvcache): batch 1, 32/8 heads, 128K keys: 16 splits 141.0
      us vs 8 at 198.8 (3809 vs 2701 GB/s); 16 queries x 64/8 heads at 64K: 93.2 vs
      113.7; batch 8 (64 tiles) 2 splits vs none at 8K / 32K / 128K keys: 79.9 vs 96.8,
