@@ -32,6 +32,7 @@ from cute_attn.validation import (
     _check_softcap_scale,
     _device_capability,
     _is_compiling,
+    plainly_tma_operands,
     _check_dtypes,
     _check_equal,
     _check_is_tensor,
@@ -172,18 +173,7 @@ def _plainly_valid(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax
         if len(ps) != 2 or ps[0] != b or ps[1] < 1 or cs[0] < 1 or (ps[1] > 1 and page_table.stride(1) != 1):
             return False
         capacity = ps[1] * cs[1]
-    elems = policy.align_elems
-    qt, kt, vt = q.stride(), k_cache.stride(), v_cache.stride()
-    if qt[3] != 1 or kt[3] != 1 or vt[3] != 1:
-        return False
-    if not (qt[0] and qt[1] and qt[2] and kt[0] and kt[1] and kt[2] and vt[0] and vt[1] and vt[2]):
-        return False
-    compiling = _is_compiling()
-    if compiling:  # symbolic strides and no addresses: as validation._plainly_valid
-        if any(s % elems for s in (qt[0], qt[1], qt[2], kt[0], kt[1], kt[2], vt[0], vt[1], vt[2])):
-            return False
-    elif ((qt[0] | qt[1] | qt[2] | kt[0] | kt[1] | kt[2] | vt[0] | vt[1] | vt[2]) % elems
-          or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % policy.align_bytes):
+    if not plainly_tma_operands(policy, q, k_cache, v_cache):
         return False
     if (k is None) != (v is None):
         return False
@@ -193,14 +183,7 @@ def _plainly_valid(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax
         ns = k.shape
         if len(ns) != 4 or v.shape != ns or ns[0] != b or ns[2] != hkv or ns[3] != d or ns[1] > capacity:
             return False
-        nt, wt = k.stride(), v.stride()
-        if nt[3] != 1 or wt[3] != 1 or 0 in nt[:3] or 0 in wt[:3]:
-            return False
-        if compiling:
-            if any(s % elems for s in (nt[0], nt[1], nt[2], wt[0], wt[1], wt[2])):
-                return False
-        elif ((nt[0] | nt[1] | nt[2] | wt[0] | wt[1] | wt[2]) % elems
-              or (k.data_ptr() | v.data_ptr()) % policy.align_bytes):
+        if not plainly_tma_operands(policy, k, v, v):
             return False
     if softmax_scale is not None and not (type(softmax_scale) is float and FOLD_MIN <= softmax_scale <= FOLD_MAX):
         return False
@@ -213,7 +196,7 @@ def _plainly_valid(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax
         return False
     if k is not None and (k.device != device or v.device != device):
         return False
-    return compiling or _device_capability(device) == (9, 0)
+    return _is_compiling() or _device_capability(device) == (9, 0)
 
 
 # ----------------------------------------------------------------------------------------

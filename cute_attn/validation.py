@@ -95,6 +95,27 @@ def _device_capability(device):
 _is_compiling = torch.compiler.is_compiling
 
 
+def plainly_tma_operands(policy, q, k, v):
+    """The fast paths' TMA layout test of three 4-D tensors: last dim contiguous, the other
+    strides multiples of align_elems (a power of two, so one test of their OR) and nonzero
+    (an expanded dim goes to the detailed checks, which reject it unless the dim has size
+    1), the pointers aligned. False means "look closer" (_layout_problem names it)."""
+    elems = policy.align_elems
+    qt, kt, vt = q.stride(), k.stride(), v.stride()
+    if qt[3] != 1 or kt[3] != 1 or vt[3] != 1:
+        return False
+    if not (qt[0] and qt[1] and qt[2] and kt[0] and kt[1] and kt[2] and vt[0] and vt[1] and vt[2]):
+        return False
+    if _is_compiling():
+        # traced: strides are symbolic (a bitwise OR of them would pin their values), and
+        # the tensors have no address (a data_ptr read breaks the graph): the pointers are
+        # checked by the op's real implementation (cute_attn.ops). Dynamo folds
+        # _is_compiling() to a constant.
+        return not any(s % elems for s in (qt[0], qt[1], qt[2], kt[0], kt[1], kt[2], vt[0], vt[1], vt[2]))
+    return not ((qt[0] | qt[1] | qt[2] | kt[0] | kt[1] | kt[2] | vt[0] | vt[1] | vt[2]) % elems
+                or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % policy.align_bytes)
+
+
 def _plainly_valid(q, k, v, softmax_scale):
     """The common case in as few attribute reads as possible (this runs on every call;
     perf/NOTES.md has the host-time breakdown). False means "look closer", never
@@ -111,24 +132,7 @@ def _plainly_valid(q, k, v, softmax_scale):
     b, sq, h, d = qs
     if ks[0] != b or ks[2] < 1 or h % ks[2] or ks[3] != d or d not in fwd.head_dims or sq < 1 or ks[1] < 1 or b < 1 or h < 1:
         return False
-    # TMA: last dim contiguous, the other strides multiples of align_elems (a power of two,
-    # so one test of their OR) and nonzero (an expanded dim goes to the detailed checks,
-    # which reject it unless the dim has size 1)
-    elems = policy.align_elems
-    qt, kt, vt = q.stride(), k.stride(), v.stride()
-    if qt[3] != 1 or kt[3] != 1 or vt[3] != 1:
-        return False
-    if not (qt[0] and qt[1] and qt[2] and kt[0] and kt[1] and kt[2] and vt[0] and vt[1] and vt[2]):
-        return False
-    if _is_compiling():
-        # traced: strides are symbolic (a bitwise OR of them would pin their values), and
-        # q, k, v have no address (a data_ptr read breaks the graph): the pointers are
-        # checked by the op's real implementation (cute_attn.ops). Dynamo folds
-        # _is_compiling() to a constant.
-        if any(s % elems for s in (qt[0], qt[1], qt[2], kt[0], kt[1], kt[2], vt[0], vt[1], vt[2])):
-            return False
-    elif ((qt[0] | qt[1] | qt[2] | kt[0] | kt[1] | kt[2] | vt[0] | vt[1] | vt[2]) % elems
-          or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % policy.align_bytes):
+    if not plainly_tma_operands(policy, q, k, v):
         return False
     if softmax_scale is not None and not (type(softmax_scale) is float and FOLD_MIN <= softmax_scale <= FOLD_MAX):
         return False

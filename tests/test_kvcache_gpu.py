@@ -95,14 +95,10 @@ def test_out_of_range_lengths_are_clamped_or_rejected():
     assert torch.equal(k_cache[0, :511], k_before[0, :511])
 
 
-def test_decode_step_in_a_cuda_graph():
-    """Capture one decode step; replay it with new lengths and new tokens copied into the
-    captured tensors: the result equals an eager call on the same state."""
-    q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(2, 1, 8192, 32, 8, 128, 1, (100, 5000), seed=3)
-
-    def step():
-        return cute_attn.mha_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
-
+def _replays_like_eager(step, seqlens, inputs, k_cache, v_cache, between=lambda: None):
+    """Capture step() in a CUDA graph; replay it twice with new lengths (101/5001, then
+    7000/0), fresh random inputs and whatever between() changes, and compare each replay
+    (its output and the caches it appended to) with an eager step() on the same state."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -113,7 +109,8 @@ def test_decode_step_in_a_cuda_graph():
         out = step()
     for lengths in ((101, 5001), (7000, 0)):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
-        for t in (q, k_new, v_new):
+        between()
+        for t in inputs:
             t.copy_(torch.randn_like(t))
         k_snapshot, v_snapshot = k_cache.clone(), v_cache.clone()
         out.fill_(float("nan"))
@@ -124,6 +121,17 @@ def test_decode_step_in_a_cuda_graph():
         expected = step()
         assert torch.equal(k_replayed, k_cache) and torch.equal(v_replayed, v_cache)
         assert torch.equal(out_replayed, expected)
+
+
+def test_decode_step_in_a_cuda_graph():
+    """Capture one decode step; replay it with new lengths and new tokens copied into the
+    captured tensors: the result equals an eager call on the same state."""
+    q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(2, 1, 8192, 32, 8, 128, 1, (100, 5000), seed=3)
+
+    def step():
+        return cute_attn.mha_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
+
+    _replays_like_eager(step, seqlens, (q, k_new, v_new), k_cache, v_cache)
 
 
 # ----------------------------------------------------------------------------------------
@@ -218,28 +226,8 @@ def test_paged_decode_step_in_a_cuda_graph():
         return cute_attn.mha_with_kvcache(q, pages_k, pages_v, k_new, v_new, cache_seqlens=seqlens,
                                           page_table=table, causal=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for lengths in ((101, 5001), (7000, 0)):
-        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
-        table.copy_(table.flip(0))
-        for t in (q, k_new, v_new):
-            t.copy_(torch.randn_like(t))
-        k_snapshot, v_snapshot = pages_k.clone(), pages_v.clone()
-        out.fill_(float("nan"))
-        graph.replay()
-        k_replayed, v_replayed, out_replayed = pages_k.clone(), pages_v.clone(), out.clone()
-        pages_k.copy_(k_snapshot)
-        pages_v.copy_(v_snapshot)
-        expected = step()
-        assert torch.equal(k_replayed, pages_k) and torch.equal(v_replayed, pages_v)
-        assert torch.equal(out_replayed, expected)
+    _replays_like_eager(step, seqlens, (q, k_new, v_new), pages_k, pages_v,
+                        between=lambda: table.copy_(table.flip(0)))
 
 
 def test_fast_validation_agrees_with_the_detailed_checks(monkeypatch):
