@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     w.add_argument("--gqa-pack", nargs="*", type=int, default=[],
                    help="GQA group sizes whose packed forward (short query sequences) to build too")
     w.add_argument("--decode", action="store_true",
-                   help="also the inference kernels: split-KV forwards, the combine, mha_with_kvcache's")
+                   help="also the inference kernels: split-KV forwards, mha_with_kvcache's")
     w.add_argument("--jobs", type=int, default=0, help="parallel compile processes (0: one per CPU, <= 8)")
     w.add_argument("--list", action="store_true", help="print the plan, build nothing")
     args = parser.parse_args(argv)

@@ -208,7 +208,7 @@ class FwdConfig(_WarpSpecialized):
     pack_gqa: int = 1
     # Split-KV: num_splits CTAs (a run-time count) share one query tile, each walking a
     # slice of its KV blocks (blocks/block_range.py) and writing its normalised O in fp32
-    # and its LSE to partial buffers that kernels/combine.py merges. For grids too small
+    # and its LSE to partial buffers that the tile's last split merges. For grids too small
     # for the GPU (decode, short prefill against long caches): launcher.choose_splits.
     split_kv: bool = False
     # Paged KV cache (with AttnFeatures.kv_lengths): K and V arrive as (num_pages,

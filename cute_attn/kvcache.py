@@ -12,7 +12,6 @@ producer assembles each KV block from TMA boxes of one page each (FwdConfig.page
 
 from typing import Optional, Union
 
-import torch
 from torch import Tensor
 
 from cute_attn import api
@@ -61,16 +60,23 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
         window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits,
         return_lse=return_lse, check_inputs=check_inputs)
     lengths = cache_seqlens
+    traced = api._traced(q)
     if problem.seqlen_new:
-        lengths = _append(k_cache, v_cache, k, v, cache_seqlens, page_table)
+        # one kernel writes k, v into the caches and returns the new lengths (device-side)
+        if traced:
+            from cute_attn import ops
+
+            lengths = ops.kv_append(k, v, k_cache, v_cache, cache_seqlens, page_table)
+        else:
+            lengths = api._launcher().run_append(k, v, k_cache, v_cache, cache_seqlens, page_table)
     scale = float(softmax_scale) if softmax_scale is not None else problem.head_dim ** -0.5
     features, run_args = _features_and_args(problem, scale, lengths, page_table)
     if problem.batch == 0 or problem.seqlen_q == 0 or problem.nheads == 0:
         out, lse = api._outputs_without_kernel(q, features)
         return (out, lse) if problem.return_lse else out
-    if api._traced(q):
-        # torch.compile / FakeTensorMode: the attention through its custom op (the append
-        # above is ordinary torch ops, which the tracer records as mutations of the caches)
+    if traced:
+        # torch.compile / FakeTensorMode: the attention through its custom op (like the
+        # append above, whose op declares that it mutates the caches)
         from cute_attn import ops
 
         out, lse = ops.attention_kvcache(q, k_cache, v_cache, features, run_args, problem.num_splits)
@@ -78,28 +84,6 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
         out, lse = api._launcher().run_fwd(q, k_cache, v_cache, features, run_args, need_lse=problem.return_lse,
                                            num_splits=problem.num_splits or None)
     return (out, lse) if problem.return_lse else out
-
-
-def _append(k_cache, v_cache, k, v, cache_seqlens, page_table=None):
-    """Write k, v at each entry's positions cache_seqlens[b] + j, on the device (no host
-    read), and return the entries' new lengths as int32. Contiguous cache: row j of entry
-    b. Paged cache (num_pages, page_size, nheads_kv, headdim): position p of entry b is
-    row p % page_size of page page_table[b, p // page_size]. Positions are clamped into
-    the entry's capacity and page indices into [0, num_pages), so nothing outside the
-    cache is written (check_inputs reports both instead)."""
-    batch, seqlen_new = k.shape[0], k.shape[1]
-    page_size = k_cache.shape[1]
-    capacity = page_size if page_table is None else page_table.shape[1] * page_size
-    start = cache_seqlens.long().clamp(0, capacity)
-    positions = (start[:, None] + torch.arange(seqlen_new, device=k.device)).clamp_(max=capacity - 1)
-    if page_table is None:
-        index = (torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_new), positions)
-    else:
-        pages = page_table.long().gather(1, positions // page_size).clamp_(0, k_cache.shape[0] - 1)
-        index = (pages, positions % page_size)
-    k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
-    return (start + seqlen_new).clamp_(max=capacity).to(torch.int32)
 
 
 def _features_and_args(problem, scale, lengths, page_table):

@@ -84,6 +84,26 @@ def append_to_cache(k_cache, v_cache, cache_seqlens, k_new, v_new, page_table=No
     return _append(k_cache, rows, lengths, k_new), _append(v_cache, rows, lengths, v_new)
 
 
+def append_in_place(k, v, k_cache, v_cache, cache_seqlens, page_table=None):
+    """The append of kernels/kv_append.py in torch ops, on the device, with its clamping:
+    k, v written in place at each entry's positions clamp(cache_seqlens[b], 0, capacity)
+    + j, clamped to capacity - 1, page indices clamped into [0, num_pages); returns the
+    new lengths, int32. The CPU tests' stand-in launchers append with it."""
+    batch, seqlen_new = k.shape[0], k.shape[1]
+    page_size = k_cache.shape[1]
+    capacity = page_size if page_table is None else page_table.shape[1] * page_size
+    start = cache_seqlens.long().clamp(0, capacity)
+    positions = (start[:, None] + torch.arange(seqlen_new, device=k.device)).clamp_(max=capacity - 1)
+    if page_table is None:
+        index = (torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_new), positions)
+    else:
+        pages = page_table.long().gather(1, positions // page_size).clamp_(0, k_cache.shape[0] - 1)
+        index = (pages, positions % page_size)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+    return (start + seqlen_new).clamp_(max=capacity).to(torch.int32)
+
+
 def gather_sequence(pages, page_row, seqlen):
     """The first seqlen logical positions of one entry, (seqlen, nheads_kv, headdim):
     pages (num_pages, page_size, nheads_kv, headdim), page_row the entry's page-table row

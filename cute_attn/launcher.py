@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -117,8 +117,8 @@ def _fake_fwd_args(key: FwdKey):
     """Symbolic stand-ins for the forward's arguments that fix only what the key fixes
     (see _fake_bshd for the strides and alignment). Varlen calls pass (1, total, ...)
     views of the packed tensors, so batch, seqlen and heads stay symbols either way.
-    Split-KV: O and LSE are the fp32 partials, (num_splits * batch, ...) with a batch
-    symbol of their own."""
+    Split-KV adds the fp32 partials, (num_splits * batch, ...) with a batch symbol of
+    their own, the per-tile counters, and num_splits."""
     import cutlass
     import cutlass.cute as cute
 
@@ -127,19 +127,18 @@ def _fake_fwd_args(key: FwdKey):
     # a paged cache's batch mode counts pages, not the queries' entries
     kv_batch = cute.sym_int32(symbol="num_pages") if key.config.page_size else n.batch
     k, v = (_fake_bshd(key.dtype, kv_batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
-    if key.config.split_kv:
-        o, lse = _fake_partials(n, d)
-    else:
-        o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o")
-        lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
+    o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o")
+    lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
     page_table = cute.runtime.make_fake_tensor(
         cutlass.Int32, (cute.sym_int32(symbol="pt_batch"), cute.sym_int32(symbol="max_pages")),
         stride=(cute.sym_int64(symbol="pt_stride0"), 1), assumed_align=4,
     )
-    return (
-        q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), page_table,
-        *_fake_run_args(), cutlass.Int32(1), _fake_stream(),
-    )
+    head = (q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), page_table)
+    if not key.config.split_kv:
+        return (*head, *_fake_run_args(), _fake_stream())
+    o_part, lse_part = _fake_partials(n, d)
+    return (*head, o_part, lse_part, _fake_cu_seqlens("tile_counters"), *_fake_run_args(), cutlass.Int32(1),
+            _fake_stream())
 
 
 def _compile(kernel, fake_args, extra_options: str, key):
@@ -163,12 +162,15 @@ def _compile(kernel, fake_args, extra_options: str, key):
 def compile_fwd(key: FwdKey, extra_options: str = ""):
     """Compile one forward specialisation; returns the TVM-FFI callable
     f(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, page_table, max_seqlen_q,
-    softmax_scale, softcap, window_left, window_right, num_splits) (split-KV: out and lse
-    are the partials; page_table is read only by a paged specialisation)."""
-    from cute_attn.kernels.fwd_sm90 import FlashFwdSm90
+    softmax_scale, softcap, window_left, window_right) (page_table is read only by a
+    paged specialisation). Split-KV: f(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+    page_table, o_part, lse_part, tile_counters, max_seqlen_q, softmax_scale, softcap,
+    window_left, window_right, num_splits)."""
+    from cute_attn.kernels.fwd_sm90 import FlashFwdSm90, FlashFwdSm90SplitKV
 
     _check_capability("fwd", key)
-    kernel = FlashFwdSm90(DTYPES[key.dtype], key.head_dim, key.features, key.config)
+    cls = FlashFwdSm90SplitKV if key.config.split_kv else FlashFwdSm90
+    kernel = cls(DTYPES[key.dtype], key.head_dim, key.features, key.config)
     return _compile(kernel, _fake_fwd_args(key), extra_options, key)
 
 
@@ -266,7 +268,45 @@ def run_fwd(
 
     num_splits: split-KV CTAs per query tile (1: none); None picks by choose_splits, which
     splits only grids too small for the GPU. With more than one, the split forward writes
-    fp32 partials and the combine kernel (kernels/combine.py) merges them into out, lse."""
+    fp32 partials and each tile's last split merges them into out, lse (one launch)."""
+    page_table = args.page_table
+    key = (q.shape, k.shape, q.dtype, q.device, features, config, num_splits,
+           None if page_table is None else page_table.shape[1],
+           (args.max_seqlen_q, args.max_seqlen_k, args.cu_seqlens_q.shape[0]) if features.varlen else None)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(q, k, features, args, config, num_splits)
+        if len(_plans) > 4096:  # many shapes (varied varlen maxima): start over
+            _plans.clear()
+        _plans[key] = plan
+    if plan.num_splits > 1:
+        return _run_fwd_split(q, k, v, features, args, plan, need_lse)
+    out, lse = _outputs(q, features, need_lse)
+    q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
+    out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
+    window_left, window_right = args.window
+    plan.fn(q4, k4, v4, out4, lse3, cu_q, cu_k, _page_table(args, q.device), args.max_seqlen_q,
+            args.softmax_scale, args.softcap, window_left, window_right)
+    return out, (lse if need_lse else None)
+
+
+class _Plan(NamedTuple):
+    """What a forward call of one shape launches."""
+
+    fn: object  # the compiled forward: split-KV's when num_splits > 1
+    num_splits: int
+    tiles: int  # split-KV: work tiles, one counter each (else 0)
+
+
+# (q shape, k shape, dtype, device, features, config, num_splits asked, page-table width,
+# varlen maxima and batch) -> _Plan: a repeated call (a decode step, a training step)
+# skips the config, GQA-packing and split heuristics (5-15 us of host time per call,
+# perf/NOTES.md session 8) for a tuple hash and a dict lookup
+_plans: dict = {}
+
+
+def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[FwdConfig],
+               num_splits: Optional[int]) -> _Plan:
     if config is None:
         fn, config = _default_fwd_kernel(q, k, features, 0 if args.page_table is None else k.shape[1])
     else:
@@ -274,16 +314,10 @@ def run_fwd(
     if num_splits is None:
         num_splits = choose_splits(q, k, features, args, config)
     if num_splits > 1:
-        return _run_fwd_split(q, k, v, features, args, config, num_splits, need_lse)
+        return _Plan(_split_kernel(q, features, config), num_splits, _work_tiles(q, features, args, config))
     if fn is None:
         fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
-    out, lse = _outputs(q, features, need_lse)
-    q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
-    out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
-    window_left, window_right = args.window
-    fn(q4, k4, v4, out4, lse3, cu_q, cu_k, _page_table(args, q.device), args.max_seqlen_q,
-       args.softmax_scale, args.softcap, window_left, window_right, 1)
-    return out, (lse if need_lse else None)
+    return _Plan(fn, 1, 0)
 
 
 def _outputs(q, features: AttnFeatures, need_lse: bool):
@@ -386,53 +420,90 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
                                              num_sms=sms, hbm_gbs=hbm_gbs)
 
 
-# (torch dtype, head_dim, features, unsplit config) -> (split forward, combine)
+# (torch dtype, head_dim, features, unsplit config) -> the split forward
 _split_kernels: dict = {}
 
 
-def _split_pair(q, features: AttnFeatures, config: FwdConfig):
+def _split_kernel(q, features: AttnFeatures, config: FwdConfig):
     head_dim = q.shape[-1]
-    pair = _split_kernels.get((q.dtype, head_dim, features, config))
-    if pair is None:
-        name = DTYPE_OF_INPUT[q.dtype].name
-        pair = _split_kernels.setdefault((q.dtype, head_dim, features, config), (
-            get_fwd_kernel(FwdKey(name, head_dim, features, dataclasses.replace(config, split_kv=True))),
-            get_combine_kernel(CombineKey(name, head_dim, features.varlen)),
-        ))
-    return pair
+    fn = _split_kernels.get((q.dtype, head_dim, features, config))
+    if fn is None:
+        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, dataclasses.replace(config, split_kv=True))
+        fn = _split_kernels.setdefault((q.dtype, head_dim, features, config), get_fwd_kernel(key))
+    return fn
 
 
-def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, config: FwdConfig, num_splits: int,
-                   need_lse: bool):
-    fn, combine = _split_pair(q, features, config)
-    head_dim = q.shape[-1]
-    device = q.device
+def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, plan: _Plan, need_lse: bool):
     q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
-    batch, seqlen_q, heads, _ = q4.shape
-    # the splits stacked on the batch mode (split s of entry b at s * batch + b), the
-    # layout both kernels take: no views on the host path of a decode step
-    o_part = torch.empty((num_splits * batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=device)
-    lse_part = torch.empty((num_splits * batch, heads, seqlen_q), dtype=torch.float32, device=device)
-    window_left, window_right = args.window
-    fn(q4, k4, v4, o_part, lse_part, cu_q, cu_k, _page_table(args, device), args.max_seqlen_q,
-       args.softmax_scale, args.softcap, window_left, window_right, num_splits)
+    batch, seqlen_q, heads, head_dim = q4.shape
+    o_part, lse_part, counters = _split_workspace(q.device, plan.num_splits * batch, seqlen_q, heads, head_dim,
+                                                  plan.tiles)
     out, lse = _outputs(q, features, need_lse)
     out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
-    combine(o_part, lse_part, out4, lse3, cu_q, args.max_seqlen_q)
+    window_left, window_right = args.window
+    plan.fn(q4, k4, v4, out4, lse3, cu_q, cu_k, _page_table(args, q.device), o_part, lse_part, counters,
+            args.max_seqlen_q, args.softmax_scale, args.softcap, window_left, window_right, plan.num_splits)
     return out, (lse if need_lse else None)
 
 
-@dataclass(frozen=True)
-class CombineKey:
-    dtype: str  # a config.DTYPES name: the output's
-    head_dim: int
-    varlen: bool
-    arch: str = ARCH
+def _work_tiles(q, features: AttnFeatures, args: RunArgs, config: FwdConfig) -> int:
+    """Work tiles of the forward's grid (query tiles x head tiles x batch): the split
+    forward keeps a counter per tile."""
+    pack = config.pack_gqa
+    if features.varlen:
+        batch, seqlen_q, heads = args.cu_seqlens_q.shape[0] - 1, args.max_seqlen_q, q.shape[1]
+    else:
+        batch, seqlen_q, heads, _ = q.shape
+    return -(-(seqlen_q * pack) // config.tile_m) * (heads // pack) * batch
+
+
+# (device, stream) -> ([fp32 buffers], [int32 zero buffers]) grown so far, the last the
+# largest; (device, stream, parts, seqlen_q, heads, head_dim, tiles) -> a call's views
+_workspace_buffers: dict = {}
+_workspace_views: dict = {}
+
+
+def _split_workspace(device, parts: int, seqlen_q: int, heads: int, head_dim: int, tiles: int):
+    """(o_part, lse_part, tile_counters) for a split forward: the fp32 partials,
+    (parts, seqlen_q, heads, head_dim) and (parts, heads, seqlen_q), and `tiles` int32
+    counters that are zero (fwd_sm90.merge_if_last leaves them zero).
+
+    A decode step should neither allocate (~2-4 us of host time each) nor memset them,
+    so each (device, stream) keeps one workspace, grown by doubling, and a call gets
+    views of it (cached per shape). Per stream, because kernels on one stream run in
+    order (the next call's splits start after the last merge read the partials) while
+    two streams may run at once. The outgrown buffers are kept: a kernel queued earlier
+    may still use them. Under CUDA graph capture a call allocates its own (the graph's
+    pool; the counters zeroed by a memset the graph replays), as a graph may be replayed
+    on another stream while this one runs eager calls."""
+    f32 = dict(dtype=torch.float32, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return (torch.empty((parts, seqlen_q, heads, head_dim), **f32), torch.empty((parts, heads, seqlen_q), **f32),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    key = (device, stream, parts, seqlen_q, heads, head_dim, tiles)
+    views = _workspace_views.get(key)
+    if views is not None:
+        return views
+    floats, zeros = _workspace_buffers.setdefault((device, stream), ([], []))
+    o_numel = parts * seqlen_q * heads * head_dim  # a multiple of 4: LSE starts 16-byte aligned
+    numel = o_numel + parts * heads * seqlen_q
+    if not floats or floats[-1].numel() < numel:
+        floats.append(torch.empty(max(numel, 2 * floats[-1].numel() if floats else 1 << 16), **f32))
+    if not zeros or zeros[-1].numel() < tiles:
+        zeros.append(torch.zeros(max(tiles, 2 * zeros[-1].numel() if zeros else 1024), dtype=torch.int32,
+                                 device=device))
+    if len(_workspace_views) > 4096:  # many shapes (varied prefill lengths): start over
+        _workspace_views.clear()
+    buf = floats[-1]
+    views = _workspace_views[key] = (buf[:o_numel].view(parts, seqlen_q, heads, head_dim),
+                                     buf[o_numel:numel].view(parts, heads, seqlen_q), zeros[-1][:tiles])
+    return views
 
 
 def _fake_partials(n: "_Symbols", head_dim: int):
     """The split forward's fp32 partial O and LSE, (num_splits * batch, ...) with a batch
-    symbol of their own: what it writes and the combine reads."""
+    symbol of their own."""
     import cutlass
     import cutlass.cute as cute
 
@@ -445,28 +516,67 @@ def _fake_partials(n: "_Symbols", head_dim: int):
     return o_part, _fake_rowwise(parts, n.heads, n.seqlen_q, "lse_part")
 
 
-def _fake_combine_args(key: CombineKey):
-    """The split forward's partials, then the combine's outputs."""
+# ----------------------------------------------------------------------------------------
+# KV-cache append: a decode step's new keys and values into the cache, in place
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AppendKey:
+    dtype: str  # a config.DTYPES name
+    head_dim: int
+    paged: bool
+    arch: str = ARCH
+
+
+def _fake_append_args(key: AppendKey):
     import cutlass
+    import cutlass.cute as cute
 
-    n, d = _Symbols(), key.head_dim
-    o_part, lse_part = _fake_partials(n, d)
-    return (o_part, lse_part, _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o"),
-            _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse"), _fake_cu_seqlens("cu_seqlens_q"),
-            cutlass.Int32(0), _fake_stream())
+    batch, heads_kv = cute.sym_int32(symbol="batch"), cute.sym_int32(symbol="heads_kv")
+    seqlen_new = cute.sym_int32(symbol="seqlen_new")
+    cache_batch, cache_rows = cute.sym_int32(symbol="cache_batch"), cute.sym_int32(symbol="cache_rows")
+    d = key.head_dim
+    k, v = (_fake_bshd(key.dtype, batch, seqlen_new, heads_kv, d, name) for name in ("k_new", "v_new"))
+    k_cache, v_cache = (_fake_bshd(key.dtype, cache_batch, cache_rows, heads_kv, d, name)
+                        for name in ("k_cache", "v_cache"))
+    page_table = cute.runtime.make_fake_tensor(
+        cutlass.Int32, (cute.sym_int32(symbol="pt_batch"), cute.sym_int32(symbol="max_pages")),
+        stride=(cute.sym_int64(symbol="pt_stride0"), 1), assumed_align=4,
+    )
+    return (k, v, k_cache, v_cache, _fake_cu_seqlens("cache_seqlens"), page_table, _fake_cu_seqlens("new_lengths"),
+            _fake_stream())
 
 
-def compile_combine(key: CombineKey, extra_options: str = ""):
-    """Compile the split-KV combine; returns f(o_part, lse_part, out, lse, cu_seqlens_q,
-    max_seqlen_q)."""
-    from cute_attn.kernels.combine import SplitCombine
+def compile_append(key: AppendKey, extra_options: str = ""):
+    """Compile the KV-cache append; returns f(k, v, k_cache, v_cache, cache_seqlens,
+    page_table, new_lengths)."""
+    from cute_attn.kernels.kv_append import KVAppend
 
-    kernel = SplitCombine(DTYPES[key.dtype], key.head_dim, AttnFeatures(varlen=key.varlen))
-    return _compile(kernel, _fake_combine_args(key), extra_options, key)
+    kernel = KVAppend(DTYPES[key.dtype], key.head_dim, key.paged)
+    return _compile(kernel, _fake_append_args(key), extra_options, key)
 
 
-def get_combine_kernel(key: CombineKey):
-    return _cached(key, _from_disk_or_compiled(compile_combine, _raw))
+def get_append_kernel(key: AppendKey):
+    return _cached(key, _from_disk_or_compiled(compile_append, _raw))
+
+
+# (torch dtype, head_dim, paged) -> the append kernel: a per-call lookup of plain values
+_append_kernels: dict = {}
+
+
+def run_append(k, v, k_cache, v_cache, cache_seqlens, page_table=None):
+    """Write k, v (batch, seqlen_new, heads_kv, head_dim) into the caches at each entry's
+    cache_seqlens (kernels/kv_append.py has the clamping rule) and return the entries'
+    new lengths, int32 (batch,), on the device: no host sync."""
+    paged = page_table is not None
+    fn = _append_kernels.get((k.dtype, k.shape[3], paged))
+    if fn is None:
+        fn = _append_kernels.setdefault((k.dtype, k.shape[3], paged), get_append_kernel(
+            AppendKey(DTYPE_OF_INPUT[k.dtype].name, k.shape[3], paged)))
+    new_lengths = torch.empty_like(cache_seqlens)
+    fn(k, v, k_cache, v_cache, cache_seqlens, page_table if paged else _unused_page_table(k.device), new_lengths)
+    return new_lengths
 
 
 # device -> the float32 sinks allocated so far (the last is the largest); (device, shape)

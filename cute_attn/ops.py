@@ -1,6 +1,6 @@
 """The kernels as torch.library custom ops, for torch.compile, torch.export and FakeTensorMode.
 
-Four ops in the namespace `cute_attn`, each with a fake (meta) implementation that only
+Six ops in the namespace `cute_attn`, each with a fake (meta) implementation that only
 allocates outputs shaped and laid out as the launcher's, and the forwards differentiable
 through `register_autograd`:
 
@@ -16,6 +16,8 @@ through `register_autograd`:
     cute_attn::fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k,
                            Tensor? page_table, <the first five of the six>,
                            int num_splits) -> (out, lse)
+    cute_attn::kv_append(Tensor k, Tensor v, Tensor(a2!) k_cache, Tensor(a3!) v_cache,
+                         Tensor cache_seqlens, Tensor? page_table) -> Tensor new_lengths
 
 The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
 builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
@@ -42,7 +44,7 @@ from cute_attn.config import DTYPE_OF_INPUT, AttnFeatures, DtypePolicy, RunArgs,
 from cute_attn import validation
 from cute_attn.validation import _layout_problem, prepare_dout
 
-__all__ = ["attention", "attention_kvcache", "fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_kvcache"]
+__all__ = ["attention", "attention_kvcache", "fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_kvcache", "kv_append"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -148,14 +150,21 @@ def _bwd_varlen_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 def _fwd_kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tensor,
                       page_table: Optional[Tensor], mask: str, softmax_scale: float, softcap: float,
                       window_left: int, window_right: int, num_splits: int) -> tuple[Tensor, Tensor]:
-    """(out, lse) of mha_with_kvcache's attention (after its append, which is ordinary
-    torch ops): entry b attends to its first seqlens_k[b] keys of the cache, contiguous or
+    """(out, lse) of mha_with_kvcache's attention (after its append, kv_append): entry b attends to its first seqlens_k[b] keys of the cache, contiguous or
     paged (page_table); num_splits 0 lets the launcher choose."""
     _check_pointers("q", q, "k_cache", k_cache, "v_cache", v_cache)
     features = attn_features(mask, softcap > 0, kv_lengths=True)
     run_args = RunArgs(softmax_scale, softcap, (window_left, window_right), None, seqlens_k,
                        page_table=page_table)
     return api._launcher().run_fwd(q, k_cache, v_cache, features, run_args, num_splits=num_splits or None)
+
+
+def _kv_append_impl(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                    page_table: Optional[Tensor]) -> Tensor:
+    """mha_with_kvcache's append: k, v written into the caches in place at cache_seqlens
+    (kernels/kv_append.py); returns the new lengths."""
+    _check_pointers("k", k, "v", v, "k_cache", k_cache, "v_cache", v_cache)
+    return api._launcher().run_append(k, v, k_cache, v_cache, cache_seqlens, page_table)
 
 
 # The ops run their real implementations on CUDA tensors only (the CPU tests register
@@ -168,6 +177,8 @@ bwd_varlen = torch.library.custom_op("cute_attn::bwd_varlen", _bwd_varlen_impl, 
                                      device_types="cuda")
 fwd_kvcache = torch.library.custom_op("cute_attn::fwd_kvcache", _fwd_kvcache_impl, mutates_args=(),
                                       device_types="cuda")
+kv_append = torch.library.custom_op("cute_attn::kv_append", _kv_append_impl, mutates_args=("k_cache", "v_cache"),
+                                    device_types="cuda")
 
 
 # ----------------------------------------------------------------------------------------
@@ -199,6 +210,11 @@ def _(q, k_cache, v_cache, seqlens_k, page_table, mask, softmax_scale, softcap, 
       num_splits):
     batch, seqlen_q, heads, _ = q.shape
     return _fake_out(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+@kv_append.register_fake
+def _(k, v, k_cache, v_cache, cache_seqlens, page_table):
+    return torch.empty_like(cache_seqlens)
 
 
 def _fake_grads(dout, q, k, v, *rest):

@@ -5,12 +5,12 @@ batch entry, GQA heads packed into its rows) one CTA that walks all of its keys.
 has few tiles (batch 1, 8 KV heads, one query: 8 CTAs on 132 SMs) and long key ranges, so
 most SMs idle and the kernel reaches a small share of the memory bandwidth it is bound by
 (perf/NOTES.md, "Split-KV"). With num_splits > 1, that many CTAs share a tile, each
-walking an equal slice of its KV blocks (blocks/block_range.py), and kernels/combine.py
-merges their fp32 partial outputs by their LSEs.
+walking an equal slice of its KV blocks (blocks/block_range.py), and the tile's last
+split to finish merges their fp32 partial outputs by their LSEs (blocks/lse_combine.py).
 
 What a split costs: its own prologue (the Q load, the pipeline's first stages), an fp32
 partial write of tile rows x headdim (plus the LSEs) instead of the final store, and the
-combine's read of it. So splits pay off only while the grid is short of the SMs, and
+merge's read of it. So splits pay off only while the grid is short of the SMs, and
 each must keep enough KV blocks for its mainloop to outweigh those fixed costs.
 
 The rule (pure Python, no device query: the caller passes num_sms):

@@ -32,8 +32,8 @@ DEFAULT_MASKS = ("none", "causal")
 
 @dataclass(frozen=True)
 class Job:
-    family: str  # "fwd" | "bwd" | "combine"
-    key: object  # launcher.FwdKey | launcher.BwdKey | launcher.CombineKey
+    family: str  # "fwd" | "bwd" | "append"
+    key: object  # launcher.FwdKey | launcher.BwdKey | launcher.AppendKey
 
 
 def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
@@ -41,11 +41,11 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
          backward: bool = True, gqa_packs: Sequence[int] = (), decode: bool = False) -> list:
     """The Jobs for every combination; gqa_packs: group sizes whose packed forward (short
     query sequences, see config.choose_pack_gqa) to build as well. decode: also what
-    inference takes: the split-KV forwards and their combine (small grids), and
+    inference takes: the split-KV forwards (small grids), the KV-cache append (contiguous and paged), and
     mha_with_kvcache's kv_lengths forwards, split and unsplit, for each pack."""
     import dataclasses
 
-    from cute_attn.launcher import BwdKey, CombineKey, FwdKey
+    from cute_attn.launcher import AppendKey, BwdKey, FwdKey
 
     jobs = []
     if decode:
@@ -58,8 +58,9 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
                 features = AttnFeatures(mask=mask, softcap=softcap, kv_lengths=kv_lengths)
                 config = dataclasses.replace(fwd_config_for(d, features, pack), split_kv=split)
                 jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))
-            for var in varlen:
-                jobs.append(Job("combine", CombineKey(dtype, d, var)))
+        for dtype, d, paged in itertools.product(dtypes, head_dims, (False, True)):
+            if d in CAPABILITIES["fwd"].head_dims:
+                jobs.append(Job("append", AppendKey(dtype, d, paged)))
     for dtype, d, mask, var in itertools.product(dtypes, head_dims, masks, varlen):
         features = AttnFeatures(mask=mask, softcap=softcap, varlen=var)
         if d in CAPABILITIES["fwd"].head_dims:
@@ -75,7 +76,8 @@ def build(job: Job) -> float:
     """Load or compile one job's kernels through the disk cache; returns the seconds."""
     from cute_attn import launcher
 
-    get = {"fwd": launcher.get_fwd_kernel, "bwd": launcher.get_bwd_kernels, "combine": launcher.get_combine_kernel}
+    get = {"fwd": launcher.get_fwd_kernel, "bwd": launcher.get_bwd_kernels,
+           "append": launcher.get_append_kernel}
     start = time.perf_counter()
     get[job.family](job.key)
     return time.perf_counter() - start

@@ -289,8 +289,8 @@ def test_backward_head_dim_64_takes_128_query_rows_unless_window_or_softcap():
 @pytest.mark.parametrize("mask", ["none", "causal", "local"])
 def test_split_kv_forward_compiles_and_writes_fp32_partials(mask, pack):
     """FwdConfig.split_kv: it compiles spill-free; its PTX divides by the run-time
-    num_splits (the block index, the KV range), writes O as fp32 from registers, while
-    the unsplit kernel stores O by TMA."""
+    num_splits (the block index, the KV range), writes the partial O as fp32 from
+    registers, while the unsplit kernel stores O by TMA."""
     import dataclasses
 
     from cute_attn import launcher
@@ -309,7 +309,6 @@ def test_split_kv_forward_compiles_and_writes_fp32_partials(mask, pack):
     tma_store = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
     assert len(stores.findall(split)) >= 16 and not tma_store.search(split)
     assert not stores.search(single) and tma_store.search(single)
-    assert "st.global.b16" not in split
     report = ptx_tool.ptxas_report(split)
     if "ptxas not found" not in report:
         m = re.search(r"(\d+) bytes spill stores", report)
@@ -318,22 +317,40 @@ def test_split_kv_forward_compiles_and_writes_fp32_partials(mask, pack):
 
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_split_combine_compiles(dtype, varlen):
-    """kernels/combine.py for sm_90a: one exp2 per split weight, one log2 for the LSE, and
-    16-bit stores of O (the input dtype) plus the fp32 LSE; num_splits stays a symbol."""
-    import cutlass.cute as cute
+def test_split_forward_merges_its_tiles_in_kernel(dtype, varlen):
+    """The split forward's last split per tile merges (fwd_sm90.merge_if_last): one
+    acq_rel atomic on the tile's counter between GPU-scope fences, its reset, then the
+    LSE merge (blocks/lse_combine.py). No second kernel: the launcher has no combine to
+    call."""
+    import dataclasses
 
     from cute_attn import launcher
-    from cute_attn.config import DTYPES
-    from cute_attn.kernels.combine import SplitCombine
+    from cute_attn.config import fwd_config_for
 
-    d = 128
-    args = launcher._fake_combine_args(launcher.CombineKey(dtype, d, varlen))
-    kernel = SplitCombine(DTYPES[dtype], d, AttnFeatures(varlen=varlen))
-    ptx = cute.compile(kernel, *args, options="--enable-tvm-ffi --gpu-arch sm_90a --keep-ptx").__ptx__
+    features = AttnFeatures(mask="causal", varlen=varlen)
+    config = dataclasses.replace(fwd_config_for(128, features), split_kv=True)
+    ptx = launcher.compile_fwd(launcher.FwdKey(dtype, 128, features, config), "--keep-ptx").__ptx__
     assert ".target sm_90a" in ptx
-    assert "ex2.approx" in ptx and "lg2.approx" in ptx
-    assert "st.global.b16" in ptx and "st.global.b32" in ptx  # O (16-bit), LSE (fp32)
+    assert len(re.findall(r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", ptx)) == 1
+    assert ptx.count("fence.acq_rel.gpu") >= 2
+    # blocks/lse_combine.py: an lg2 per row's LSE, 16-byte loads of the fp32 partials and
+    # 8-byte stores of 4 outputs (2 x 16-bit packed)
+    assert "lg2.approx" in ptx and "ld.global.v4.b32" in ptx and "st.global.v2.b32" in ptx
+    assert not hasattr(launcher, "get_combine_kernel")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_kv_append_compiles(dtype, paged):
+    """kernels/kv_append.py for sm_90a: 16-byte loads and stores of K and V (one chunk
+    per thread), the new length's 32-bit store, and (paged) the page-table read."""
+    from cute_attn import launcher
+
+    ptx = launcher.compile_append(launcher.AppendKey(dtype, 128, paged), "--keep-ptx").__ptx__
+    assert ".target sm_90a" in ptx
+    assert ptx.count("ld.global.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 2
+    # cache_seqlens (+ the page table's entry when paged); the new length
+    assert ptx.count("ld.global.b32") == (2 if paged else 1) and ptx.count("st.global.b32") == 1
 
 
 @pytest.mark.parametrize("page_size", [16, 64, 256])

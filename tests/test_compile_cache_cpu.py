@@ -417,8 +417,8 @@ def test_real_forward_export_and_load(cache, counter, no_cc):
     assert all(1_000 < info["size"] < 10_000_000 for info in manifest["files"].values())
     fn = cc.load_or_compile(key, _no_compile, cc.dsl_export, cc.dsl_load)
     assert isinstance(fn, tvm_ffi.Function)
-    # the compiled argument check runs without a GPU: 14 positional arguments
-    with pytest.raises(TypeError, match="14 parameters"):
+    # the compiled argument check runs without a GPU: 13 positional arguments
+    with pytest.raises(TypeError, match="13 parameters"):
         fn(1)
 
 
@@ -439,7 +439,7 @@ def test_real_forward_from_disk_matches_in_memory(cache, counter):
     outs = []
     for fn in (from_disk, in_memory):
         out, lse = torch.empty_like(q), torch.empty(2, 4, 300, device="cuda", dtype=torch.float32)
-        fn(q, k, v, out, lse, cu, cu, cu.view(1, 2), 0, 64 ** -0.5, 0.0, UNBOUNDED, UNBOUNDED, 1)
+        fn(q, k, v, out, lse, cu, cu, cu.view(1, 2), 0, 64 ** -0.5, 0.0, UNBOUNDED, UNBOUNDED)
         outs.append((out, lse))
     torch.cuda.synchronize()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
@@ -461,7 +461,7 @@ fn = cc.load_or_compile(FwdKey("bf16", 64, f, fwd_config_for(64, f)), no_compile
 q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 out, lse = torch.empty_like(q), torch.empty(1, 2, 256, device="cuda", dtype=torch.float32)
 cu = torch.zeros(2, dtype=torch.int32, device="cuda")
-fn(q, k, v, out, lse, cu, cu, cu.view(1, 2), 0, 64 ** -0.5, 0.0, UNBOUNDED, UNBOUNDED, 1)
+fn(q, k, v, out, lse, cu, cu, cu.view(1, 2), 0, 64 ** -0.5, 0.0, UNBOUNDED, UNBOUNDED)
 ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
 torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 assert "cutlass" not in sys.modules, "loading a shared-library entry should not import cutlass"

@@ -18,6 +18,12 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
+    @staticmethod
+    def run_append(*args):
+        from cute_attn.kvcache_reference import append_in_place
+
+        return append_in_place(*args)
+
     def run_fwd(self, q, k, v, features, args, config=None, need_lse=True, num_splits=None):
         self.calls.append(dict(k=k, v=v, features=features, args=args, need_lse=need_lse, num_splits=num_splits))
         lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1]) if need_lse else None
@@ -128,11 +134,10 @@ def test_flash_attn_with_kvcache_refuses_what_it_cannot_do(launcher, name):
 
 
 def test_paged_append_writes_through_the_page_table():
-    """kvcache._append with a page table:
+    """kvcache_reference.append_in_place (the append kernel's reference) with a page table:
     positions land in the pages the table names, the rest of the pages is untouched,
     and the new lengths are cache_seqlens + seqlen_new."""
-    from cute_attn.kvcache import _append
-    from cute_attn.kvcache_reference import append_to_cache
+    from cute_attn.kvcache_reference import append_in_place, append_to_cache
 
     g = torch.Generator().manual_seed(1)
     pages_k = torch.randn(10, 16, 2, 64, generator=g).to(torch.bfloat16)
@@ -141,7 +146,7 @@ def test_paged_append_writes_through_the_page_table():
     lengths = torch.tensor([15, 33], dtype=torch.int32)  # entry 0 crosses a page boundary
     k, v = (torch.randn(2, 3, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
     ref_k, ref_v = append_to_cache(pages_k, pages_v, lengths, k, v, page_table=table)
-    new = _append(pages_k, pages_v, k, v, lengths, page_table=table)
+    new = append_in_place(k, v, pages_k, pages_v, lengths, page_table=table)
     assert torch.equal(pages_k, ref_k) and torch.equal(pages_v, ref_v)
     assert new.tolist() == [18, 36] and new.dtype == torch.int32
     assert torch.equal(pages_k[7, 15], k[0, 0]) and torch.equal(pages_k[2, 0], k[0, 1])
@@ -154,10 +159,13 @@ def test_paged_append_writes_through_the_page_table():
 
 class ReferenceLauncher:
     """run_fwd for kv_lengths features by the KV-cache reference (lengths in the
-    cu_seqlens_k slot), allocated like the real launcher's."""
+    cu_seqlens_k slot), allocated like the real launcher's; run_append by the append
+    kernel's reference."""
 
     def __init__(self):
         self.calls = 0
+
+    run_append = staticmethod(Recorder.run_append)
 
     def run_fwd(self, q, k, v, features, args, config=None, need_lse=True, num_splits=None):
         from cpu_standin import ref_kwargs
@@ -182,6 +190,7 @@ def reference_op(monkeypatch):
 
     if not _registered:
         torch.library.register_kernel("cute_attn::fwd_kvcache", "cpu", ops._fwd_kvcache_impl)
+        torch.library.register_kernel("cute_attn::kv_append", "cpu", ops._kv_append_impl)
         _registered.append(True)
     rec = ReferenceLauncher()
     monkeypatch.setattr(api, "_launcher_module", rec)
@@ -199,6 +208,23 @@ def test_fwd_kvcache_schema_and_opcheck(reference_op):
     args = (q.float(), k_cache.float(), v_cache.float(), torch.tensor([5, 0, 64], dtype=torch.int32), None, "causal",
             0.125, 0.0, UNBOUNDED, 0, 0)
     torch.library.opcheck(torch.ops.cute_attn.fwd_kvcache.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kv_append_schema_and_opcheck(reference_op, paged):
+    """cute_attn::kv_append declares its in-place writes (Tensor(a2!) k_cache,
+    Tensor(a3!) v_cache) and passes opcheck, contiguous and paged."""
+    schema = str(torch.ops.cute_attn.kv_append.default._schema)
+    assert schema == ("cute_attn::kv_append(Tensor k, Tensor v, Tensor(a2!) k_cache, Tensor(a3!) v_cache, "
+                      "Tensor cache_seqlens, Tensor? page_table) -> Tensor")
+    _, k_cache, v_cache, k, v = _inputs()
+    table = None
+    if paged:
+        k_cache, v_cache = (c.reshape(12, 16, *c.shape[2:]) for c in (k_cache, v_cache))
+        table = torch.tensor([[3, 1, 7, 0], [11, 2, 5, 4], [6, 8, 9, 10]], dtype=torch.int32)
+    lengths = torch.tensor([5, 0, 62], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.cute_attn.kv_append.default, (k, v, k_cache, v_cache, lengths, table),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

@@ -262,3 +262,62 @@ def test_fast_validation_agrees_with_the_detailed_checks(monkeypatch):
     ]
     for args in odd:
         assert not kc._plainly_valid(*args, None)
+
+
+def _append_destinations(lengths, seqlen_new, capacity, table, page_size, num_pages):
+    """(page or entry, row) of each new token (b, j) by the append's clamping rule
+    (kernels/kv_append.py), computed independently on the host."""
+    dest = {}
+    for b, n in enumerate(lengths):
+        for j in range(seqlen_new):
+            pos = min(min(max(n, 0), capacity) + j, capacity - 1)
+            if table is None:
+                dest[b, j] = (b, pos)
+            else:
+                dest[b, j] = (min(max(table[b][pos // page_size], 0), num_pages - 1), pos % page_size)
+    return dest
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d, seqlen_new, page_size", [(128, 1, 0), (64, 5, 0), (256, 3, 0), (128, 1, 16),
+                                                      (128, 7, 64), (64, 2, 256)])
+def test_append_kernel_clamps_bad_values_into_the_cache(d, seqlen_new, page_size, dtype):
+    """kernels/kv_append.py on lengths that are negative, 0, mid, near and past the
+    capacity and (paged) page indices that are negative or past the pool: every token
+    lands where the clamping rule puts it (each 16-byte chunk of a slot that several
+    tokens clamp to holds that chunk of one of them), nothing else in the cache changes, and the new lengths are
+    min(clamp(length, 0, capacity) + seqlen_new, capacity)."""
+    from cute_attn import launcher
+
+    g = torch.Generator(device="cuda").manual_seed(d + seqlen_new + page_size)
+    batch, heads_kv, capacity = 6, 4, 512
+    rand = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)  # noqa: E731
+    k, v = rand(batch, seqlen_new, heads_kv, d), rand(batch, seqlen_new, heads_kv, d)
+    host_lengths = [-3, 0, 200, capacity - 1, capacity, capacity + 40]
+    lengths = torch.tensor(host_lengths, dtype=torch.int32, device="cuda")
+    table, num_pages = None, batch
+    if page_size:
+        num_pages = batch * capacity // page_size
+        k_cache, v_cache = rand(num_pages, page_size, heads_kv, d), rand(num_pages, page_size, heads_kv, d)
+        table = torch.randperm(num_pages, device="cuda", generator=g).to(torch.int32).view(batch, -1)
+        table[1, 0], table[2, 200 // page_size] = -7, num_pages + 3  # out of range both ways
+    else:
+        k_cache, v_cache = rand(batch, capacity, heads_kv, d), rand(batch, capacity, heads_kv, d)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    new_lengths = launcher.run_append(k, v, k_cache, v_cache, lengths, table)
+    expected = [min(min(max(n, 0), capacity) + seqlen_new, capacity) for n in host_lengths]
+    assert new_lengths.tolist() == expected
+    dest = _append_destinations(host_lengths, seqlen_new, capacity, None if table is None else table.tolist(),
+                                page_size, num_pages)
+    writers = {}
+    for token, slot in dest.items():
+        writers.setdefault(slot, []).append(token)
+    for cache, before, new in ((k_cache, before_k, k), (v_cache, before_v, v)):
+        untouched = torch.ones(cache.shape[:2], dtype=torch.bool, device="cuda")
+        for (page, row), tokens in writers.items():
+            untouched[page, row] = False
+            # each 16-byte chunk from one of the tokens clamped here (threads copy chunks)
+            chunks = cache[page, row].view(heads_kv, -1, 16 // cache.element_size())
+            candidates = torch.stack([new[b, j].view(heads_kv, -1, 16 // cache.element_size()) for b, j in tokens])
+            assert (candidates == chunks).all(-1).any(0).all(), (page, row, tokens)
+        assert torch.equal(cache[untouched], before[untouched])

@@ -1,5 +1,6 @@
-"""Split-KV forward + combine on the GPU (launcher._run_fwd_split, kernels/combine.py),
-held to the feature tests' accuracy rule (tests/gpu_checks.py) on NaN-poisoned outputs.
+"""Split-KV forward and its in-kernel merge on the GPU (launcher._run_fwd_split,
+fwd_sm90.merge_if_last), held to the feature tests' accuracy rule (tests/gpu_checks.py)
+on NaN-poisoned outputs and workspaces.
 
 Split counts are forced through launcher.choose_splits (1 .. more splits than KV blocks,
 so that some splits see no key and must weigh 0 in the combine), and the automatic
@@ -27,6 +28,7 @@ def forced_splits(monkeypatch):
             chosen.append(real(*args))
             return n
         monkeypatch.setattr(launcher, "choose_splits", choose)
+        monkeypatch.setattr(launcher, "_plans", {})  # the plans cache split counts
         return chosen
     return force
 
@@ -58,7 +60,7 @@ def test_forced_splits_match_the_reference(case, splits, forced_splits):
 
 def test_split_equals_unsplit_within_fp32_rounding(forced_splits):
     """The same call with 1 and 8 splits: out within a couple of bf16 ulps, lse within
-    fp32 rounding of the combine."""
+    fp32 rounding of the merge."""
     case = Case(b=1, sq=1, sk=8192, h=32, h_kv=8, causal=True)
     q, k, v, _, cu = make_inputs(case, seed=3)
     forced_splits(1)
@@ -112,3 +114,43 @@ def test_split_call_is_cuda_graph_capturable(forced_splits):
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, cute_attn.mha(q, k, v, causal=True))
+
+
+def test_poisoned_workspace_and_counters_left_zero(forced_splits):
+    """Every partial the merge reads was written by this call (the stream's workspace is
+    NaN beforehand), and each call leaves the per-tile counters at zero for the next
+    (with a different split count too)."""
+    case = Case(b=2, sq=3, sk=2000, h=16, h_kv=4, causal=True)
+    q, k, v, _, cu = make_inputs(case, seed=5)
+    forced_splits(5)
+    run_forward(case, q, k, v, cu)  # the stream's workspace exists from here on
+    torch.cuda.synchronize()
+    floats = [buf for floats, _ in launcher._workspace_buffers.values() for buf in floats]
+    assert floats
+    for splits in (5, 3):
+        for buf in floats:
+            buf.fill_(float("nan"))
+        forced_splits(splits)
+        out, lse = run_forward(case, q, k, v, cu)
+        check_forward(case, q, k, v, cu, out, lse)
+        torch.cuda.synchronize()
+        for _, zeros in launcher._workspace_buffers.values():
+            assert all(int(z.count_nonzero()) == 0 for z in zeros)
+
+
+def test_split_calls_on_two_streams_at_once(forced_splits):
+    """Two streams running split forwards concurrently: each stream has its own partials
+    and counters, so neither merges the other's."""
+    forced_splits(8)
+    case = Case(b=1, sq=2, sk=20000, h=32, h_kv=8, causal=True)
+    inputs = [make_inputs(case, seed=s) for s in (21, 22)]
+    streams = [torch.cuda.Stream() for _ in inputs]
+    outs = [None, None]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        for i, (stream, (q, k, v, _, cu)) in enumerate(zip(streams, inputs)):
+            with torch.cuda.stream(stream):  # no allocator games here: back-to-back launches
+                outs[i] = cute_attn.mha(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    for (q, k, v, _, cu), (out, lse) in zip(inputs, outs):
+        check_forward(case, q, k, v, cu, out, lse)

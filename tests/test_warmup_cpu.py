@@ -68,8 +68,6 @@ def test_warmup_fills_the_cache_and_a_second_process_only_loads(tmp_path):
 
 
 def test_decode_plan_adds_the_inference_kernels():
-    from cute_attn.launcher import CombineKey
-
     base = warmup.plan(head_dims=(128,), masks=("causal",), varlen=(False,), backward=False, gqa_packs=(4,))
     jobs = warmup.plan(head_dims=(128,), masks=("causal",), varlen=(False,), backward=False, gqa_packs=(4,),
                        decode=True)
@@ -80,7 +78,10 @@ def test_decode_plan_adds_the_inference_kernels():
     assert len(fwd) == 6 and len(set(fwd)) == 6
     assert {(k.features.kv_lengths, k.config.split_kv, k.config.pack_gqa) for k in fwd} == {
         (kv, split, pack) for kv in (False, True) for split in (False, True) for pack in (1, 4) if kv or split}
-    assert [j.key for j in extra if j.family == "combine"] == [CombineKey("bf16", 128, False)]
+    from cute_attn.launcher import AppendKey
+
+    assert [j.key for j in extra if j.family == "append"] == [AppendKey("bf16", 128, False),
+                                                              AppendKey("bf16", 128, True)]
 
 
 def _keys(jobs):

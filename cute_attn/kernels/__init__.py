@@ -11,11 +11,10 @@ imports another: what two kernels share lives in cute_attn/blocks/.
                them with turn counters).
   bwd_prepost  BwdPreprocess (D = rowsum(dO * O), LSE * log2(e), padded to whole tiles)
                and BwdPostprocess (dQ from the fp32 accumulator), one query tile per CTA.
-  combine      SplitCombine: merges split-KV partials (fp32 O and LSE per split) by LSE
-               into O and LSE (reference: cute_attn.reference.combine_splits), after the
-               forward with FwdConfig.split_kv.
+               FlashFwdSm90SplitKV: the same with FwdConfig.split_kv, several CTAs per
+               query tile, the tile's last one merging their partials by LSE.
 
-Adding a family (split-KV decode and its LSE combine, an FP8 forward, mask/score mods):
+Adding a family (an FP8 forward, mask/score mods):
 put it in a new module here, with a config dataclass and a `*_config_for` heuristic in
 config.py, its capability row in config.CAPABILITIES and its dtypes in config.DTYPES,
 and a compile/run pair in launcher.py. Build it from the blocks, not beside them:
@@ -27,6 +26,7 @@ and a compile/run pair in launcher.py. Build it from the blocks, not beside them
   masks                     blocks/mask.Window + AttentionMask
   softmax                   blocks/softmax: fold_score_scale, OnlineSoftmax (forward,
                             decode), probs_from_lse (backward), softcap_scores
+  merging partials by LSE   blocks/lse_combine.merge_row (split-KV)
   global-memory views       blocks/views (BSHD -> kernel view, packed GQA rows)
   TMA + mbarrier rings      blocks/tma_pipeline (TmaTensor, make_tma_pipeline)
   WGMMA, smem layouts       blocks/mma_sm90
@@ -37,6 +37,6 @@ and a compile/run pair in launcher.py. Build it from the blocks, not beside them
 
 Split-KV (decode, small grids) is the forward with FwdConfig.split_kv (a run-time
 num_splits: the work tile's split, BlockRange's clipping) writing fp32 partial O and LSE,
-plus combine.py merging them by LSE (launcher._run_fwd_split). An FP8 forward is the
+which the last split of each tile to finish merges (launcher._run_fwd_split). An FP8 forward is the
 forward under a new DtypePolicy (V transposed for the K-major PV operand).
 """

@@ -48,12 +48,17 @@ Features (config.AttnFeatures, one specialisation each; their values are run-tim
     sequence's end exit at once, and O leaves row by row instead of by TMA so that a
     partial tile never writes into the next sequence.
 
-Split-KV (config.FwdConfig.split_kv; num_splits a run-time argument): num_splits CTAs
-share a query tile, the work tile carries the split index and blocks/block_range.py clips
-the tile's KV range to that split's slice. Each split writes its O (normalised within the
-split) in fp32 and its LSE straight from registers into partial buffers whose batch mode
-stacks the splits (index split * batch + b); kernels/combine.py merges them. A split that
-sees no key writes O = 0, LSE = -inf (weight 0 in the combine).
+Split-KV (config.FwdConfig.split_kv, the FlashFwdSm90SplitKV entry point; num_splits a
+run-time argument): num_splits CTAs share a query tile, the work tile carries the split
+index and blocks/block_range.py clips the tile's KV range to that split's slice. Each
+split writes its O (normalised within the split) in fp32 and its LSE straight from
+registers into partial buffers whose batch mode stacks the splits (index split * batch +
+b); a split that sees no key writes O = 0, LSE = -inf (weight 0 in the merge). The last
+split of a tile to finish merges them into O and LSE (merge_if_last, blocks/lse_combine.py):
+each split counts itself done on the tile's counter in global memory (release), and the
+one that brings it to num_splits sees every other split's partials (acquire), merges,
+and sets the counter back to 0 for the next call. No second kernel, so no second launch
+and no gap between them (a separate combine kernel cost 7.6-8.1 us per decode step).
 
 Constraints: config.CAPABILITIES["fwd"] (head dims 64-256; fp16 or bf16 in, fp32
 accumulation: config.DtypePolicy).
@@ -70,7 +75,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from cute_attn.blocks import epilogue, mma_sm90
+from cute_attn.blocks import epilogue, lse_combine, mma_sm90
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.mask import AttentionMask, Window
@@ -88,6 +93,17 @@ from cute_attn.blocks.views import bshd_as_sdhb, pack_heads_into_rows, rowwise_a
 from cute_attn.config import AttnFeatures, DtypePolicy, FwdConfig
 
 
+class SplitBuffers(NamedTuple):
+    """Split-KV: the partials and the outputs they merge into, in the callers' layouts
+    (blocks/lse_combine.py), and one int32 counter per work tile (zero between calls)."""
+
+    o_part: cute.Tensor  # (num_splits * batch, seqlen_q, heads, head_dim) fp32
+    lse_part: cute.Tensor  # (num_splits * batch, heads, seqlen_q) fp32
+    o: cute.Tensor  # (batch, seqlen_q, heads, head_dim)
+    lse: cute.Tensor  # (batch, heads, seqlen_q) fp32
+    tile_counters: cute.Tensor  # (query tiles x KV-head tiles x batch,) int32
+
+
 class FwdGlobals(NamedTuple):
     """Global memory as the kernel sees it (kernel-side views, see blocks/views.py)."""
 
@@ -101,6 +117,7 @@ class FwdGlobals(NamedTuple):
     cu_seqlens_q: cute.Tensor  # (batch + 1,) int32; varlen only (else unread)
     cu_seqlens_k: cute.Tensor
     page_table: cute.Tensor  # (batch, max_pages) int32; paged KV only (else unread)
+    split: SplitBuffers  # split-KV only (else stand-ins, unread)
 
 
 class FwdLayouts(NamedTuple):
@@ -124,6 +141,8 @@ class FwdSmem(NamedTuple):
     q: cute.Tensor  # also O's staging buffer in the epilogue
     k: cute.Tensor  # (tile_n, head_dim, stages)
     v: cute.Tensor
+    tile_is_last: cute.Tensor  # (1,) int32, split-KV: the merge_if_last broadcast
+    row_lse: cute.Tensor  # (tile_m,) fp32, split-KV: the merge's row LSEs
 
 
 class MainloopOperands(NamedTuple):
@@ -171,9 +190,8 @@ class FlashFwdSm90:
         mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim); varlen: (1, total_q, ...)
         mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim); paged: (num_pages, page_size, ...)
         mV: cute.Tensor,  # like mK
-        mO: cute.Tensor,  # like mQ; split-KV: fp32 (num_splits * batch, seqlen_q, heads, head_dim)
-        mLSE: cute.Tensor,  # (batch, heads, seqlen_q), float32; varlen: (1, heads, total_q);
-        # split-KV: (num_splits * batch, heads, seqlen_q)
+        mO: cute.Tensor,  # like mQ
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q), float32; varlen: (1, heads, total_q)
         mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32; varlen only (else unread)
         mCuSeqlensK: cute.Tensor,
         mPageTable: cute.Tensor,  # paged KV: (batch, max_pages) int32 (else unread)
@@ -182,9 +200,21 @@ class FlashFwdSm90:
         softcap: Float32,  # with features.softcap
         window_left: Int32,  # with mask "local": config.UNBOUNDED for an open side
         window_right: Int32,
-        num_splits: Int32,  # split-KV: CTAs per query tile (else unread; the launcher passes 1)
         stream,
     ):
+        # the split stand-ins are never read (split_kv is False)
+        split = SplitBuffers(mO, mLSE, mO, mLSE, mCuSeqlensK)
+        self.launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mPageTable, split, max_seqlen_q,
+                    softmax_scale, softcap, window_left, window_right, Int32(1), stream)
+
+    @cute.jit
+    def launch(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mPageTable: cute.Tensor, split: SplitBuffers,
+        max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32, window_left: Int32,
+        window_right: Int32, num_splits: Int32, stream,
+    ):
+        """mO, mLSE: what the tiles write (split-KV: the partials)."""
         mQ, mK, mV, mO = [bshd_as_sdhb(t) for t in (mQ, mK, mV, mO)]
         mLSE = rowwise_as_rhb(mLSE)
         if cutlass.const_expr(self.pack_gqa > 1):
@@ -218,6 +248,7 @@ class FlashFwdSm90:
             v=make_tma_tensor(load_op, mV, kv_box, (self.kv_box_rows, d)),
             o=self._o_store(mO, layouts.sQ, q_tma),
             o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, page_table=mPageTable,
+            split=split,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, layouts.sQ)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage)
@@ -227,6 +258,8 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            tile_is_last: cute.struct.MemRange[Int32, 1]  # split-KV: this CTA merges the tile
+            row_lse: cute.struct.MemRange[Float32, self.tile_m]  # split-KV: the merged LSEs
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sV)], 1024]
@@ -272,6 +305,8 @@ class FlashFwdSm90:
             q=storage.sQ.get_tensor(layouts.sQ.outer, swizzle=layouts.sQ.inner),
             k=storage.sK.get_tensor(layouts.sK.outer, swizzle=layouts.sK.inner),
             v=storage.sV.get_tensor(layouts.sV.outer, swizzle=layouts.sV.inner),
+            tile_is_last=storage.tile_is_last.get_tensor(cute.make_layout(1)),
+            row_lse=storage.row_lse.get_tensor(cute.make_layout(self.tile_m)),
         )
 
         tile = self.scheduler.tile(num_splits)
@@ -485,6 +520,7 @@ class FlashFwdSm90:
         softmax.finalize(acc_O, lse)
         if cutlass.const_expr(self.split_kv):
             self.store_partials(acc_O, lse, g, tiled_mma_pv, tidx, tile, seqlen)
+            self.merge_if_last(g, smem, tile, seqlen, block_range.num_splits, tidx)
         else:
             self.epilogue(acc_O, lse, g, smem.q, tiled_mma_pv, tidx, tile, seqlen)
 
@@ -630,3 +666,86 @@ class FlashFwdSm90:
                 for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
                     gO[tOcO[r, c]] = acc[r, c]
         self.store_lse(lse, g, tiled_mma_pv, tidx, tile, seqlen, part)
+
+    @cute.jit
+    def merge_if_last(self, g: FwdGlobals, smem: FwdSmem, tile: WorkTile, seqlen: SeqlenInfo, num_splits, tidx):
+        """Split-KV: count this split done on its tile's counter; the split that completes
+        the count merges the tile's partials into O and LSE and resets the counter.
+
+        The protocol (threadfence-reduction style): every consumer thread fences its
+        partial stores at GPU scope, the consumers meet at a barrier, then one thread adds
+        1 with acq_rel semantics: release publishes this CTA's partials, acquire makes
+        every earlier split's visible to this CTA. The splits of a tile run concurrently
+        and never wait for each other, so no order of scheduling can deadlock."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+        grid_x, grid_y, _ = cute.arch.grid_dim()
+        num_blocks = grid_x // num_splits
+        counter = tile.block + num_blocks * (tile.head + grid_y * tile.batch)
+        if tidx == 0:
+            done = cute.arch.atomic_add(
+                g.split.tile_counters.iterator + counter, Int32(1), sem="acq_rel", scope="gpu"
+            )
+            is_last = Int32(0)
+            if done == num_splits - 1:
+                is_last = Int32(1)
+                # every split of the tile has counted: the next call starts from 0
+                g.split.tile_counters[counter] = Int32(0)
+            smem.tile_is_last[0] = is_last
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+        if smem.tile_is_last[0] != 0:
+            cute.arch.fence_acq_rel_gpu()
+            self.merge_tile(g, smem, tile, seqlen, num_splits, tidx)
+
+    @cute.jit
+    def merge_tile(self, g: FwdGlobals, smem: FwdSmem, tile: WorkTile, seqlen: SeqlenInfo, num_splits, tidx):
+        """The tile's rows merged by all consumer threads (blocks/lse_combine.py). Packed
+        GQA: row r of KV head h's tile is query r // pack_gqa of query head
+        h * pack_gqa + r % pack_gqa (blocks/views.py)."""
+        first = tile.block * self.tile_m
+        rows = cutlass.min(self.tile_m, seqlen.seqlen_q * self.pack_gqa - first)
+
+        def row_coord(r):
+            row = first + r
+            if cutlass.const_expr(self.pack_gqa > 1):
+                return seqlen.offset_q + row // self.pack_gqa, tile.head * self.pack_gqa + row % self.pack_gqa
+            return seqlen.offset_q + row, tile.head
+
+        def sync():
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+
+        merge = lse_combine.SplitMerge(self.head_dim, self.out_dtype, self.num_mma_threads, self.tile_m)
+        merge.merge_tile(g.split.o_part, g.split.lse_part, g.split.o, g.split.lse, smem.row_lse, num_splits,
+                         seqlen.batch, rows, row_coord, tidx, sync)
+
+
+class FlashFwdSm90SplitKV(FlashFwdSm90):
+    """The split-KV forward's entry point (config.FwdConfig.split_kv): O and LSE as the
+    dense forward's, plus the fp32 partials the splits write and the per-tile counters
+    (zeros; the kernel leaves them zero) that elect the merging split."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mPageTable: cute.Tensor,
+        mOpart: cute.Tensor,  # (num_splits * batch, seqlen_q, heads, head_dim) fp32
+        mLSEpart: cute.Tensor,  # (num_splits * batch, heads, seqlen_q) fp32
+        mTileCounters: cute.Tensor,  # (tiles,) int32, zero
+        max_seqlen_q: Int32,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        num_splits: Int32,
+        stream,
+    ):
+        split = SplitBuffers(mOpart, mLSEpart, mO, mLSE, mTileCounters)
+        self.launch(mQ, mK, mV, mOpart, mLSEpart, mCuSeqlensQ, mCuSeqlensK, mPageTable, split, max_seqlen_q,
+                    softmax_scale, softcap, window_left, window_right, num_splits, stream)
