@@ -22,7 +22,8 @@ Packed (varlen) batches are one entry (batches = 1) whose rows are the sequences
 How a CTA merges a tile (SplitMerge.merge_tile), in two phases:
   1. a thread per row: lse = log sum_s exp(lse_s) in one pass over the splits (a running
      max and a rescaled sum), into shared memory and the LSE output;
-  2. every thread takes (row, 16-byte column chunk) items, ITEMS_IN_FLIGHT at a time:
+  2. every thread takes (row, 16-byte column chunk) items, ITEMS_IN_FLIGHT at a time
+     (one, with a deeper unroll over the splits, when the tile has few rows):
      O = sum_s exp(lse_s - lse) O_s (the weights sum to 1, so no division).
 The partials were written moments ago by the tile's CTAs, so they come from L2 and the
 merge is latency-bound: phase 2 issues the loads of all its items for a split together
@@ -48,7 +49,7 @@ def row_lse(mLSEpart: cute.Tensor, num_splits: Int32, batches: Int32, b: Int32, 
     """log sum_s exp(lse_s) of one row over its splits (-inf if no split saw a key)."""
     run_max = -Float32.inf
     run_sum = Float32(0.0)  # sum_s exp(lse_s - run_max)
-    for s in cutlass.range(num_splits, unroll=4):
+    for s in cutlass.range(num_splits, unroll=8):
         lse_s = mLSEpart[s * batches + b, head, row]
         new_max = cute.arch.fmax(run_max, lse_s)
         # an all -inf prefix: shift by 0, so that exp2(-inf - -inf) never makes a NaN
@@ -95,24 +96,33 @@ class SplitMerge:
                 mLSE[b, head, query] = lse
         sync()
         num_items = rows * self.chunks_per_row
-        for g in cutlass.range_constexpr(self.groups):
-            if g * ITEMS_IN_FLIGHT * self.num_threads < num_items:
+        if num_items <= self.num_threads:
+            # few rows (decode: a query's group of heads): an item per thread at most, and
+            # the split loop unrolled deeper instead, so the merge that ends the kernel
+            # takes a couple of load latencies
+            if tidx < num_items:
                 self._merge_items(mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items, row_coord,
-                                  tidx, g)
+                                  tidx, 0, items=1, unroll=8)
+        else:
+            for g in cutlass.range_constexpr(self.groups):
+                if g * ITEMS_IN_FLIGHT * self.num_threads < num_items:
+                    self._merge_items(mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items,
+                                      row_coord, tidx, g, items=ITEMS_IN_FLIGHT, unroll=2)
 
     @cute.jit
-    def _merge_items(self, mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items, row_coord, tidx, g):
-        # item i of this group: (row, chunk) of index (g * ITEMS_IN_FLIGHT + i) * threads +
-        # tidx, so a warp's lanes read consecutive 16-byte chunks of a row. Items past the
-        # tile read row 0's (valid) addresses and store nothing.
-        queries = cute.make_rmem_tensor((ITEMS_IN_FLIGHT,), Int32)
-        heads = cute.make_rmem_tensor((ITEMS_IN_FLIGHT,), Int32)
-        chunks = cute.make_rmem_tensor((ITEMS_IN_FLIGHT,), Int32)
-        shifts = cute.make_rmem_tensor((ITEMS_IN_FLIGHT,), Float32)
-        acc = cute.make_rmem_tensor((ITEMS_IN_FLIGHT, _FP32_CHUNK), Float32)
+    def _merge_items(self, mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items, row_coord, tidx, g,
+                     items: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+        # item i of group g: (row, chunk) of index (g * items + i) * threads + tidx, so a
+        # warp's lanes read consecutive 16-byte chunks of a row. Items past the tile read
+        # row 0's (valid) addresses and store nothing.
+        queries = cute.make_rmem_tensor((items,), Int32)
+        heads = cute.make_rmem_tensor((items,), Int32)
+        chunks = cute.make_rmem_tensor((items,), Int32)
+        shifts = cute.make_rmem_tensor((items,), Float32)
+        acc = cute.make_rmem_tensor((items, _FP32_CHUNK), Float32)
         acc.fill(0.0)
-        for i in cutlass.range_constexpr(ITEMS_IN_FLIGHT):
-            item = (g * ITEMS_IN_FLIGHT + i) * self.num_threads + tidx
+        for i in cutlass.range_constexpr(items):
+            item = (g * items + i) * self.num_threads + tidx
             r = item // self.chunks_per_row
             if item >= num_items:
                 r = Int32(0)
@@ -123,16 +133,16 @@ class SplitMerge:
             if lse == -Float32.inf:
                 lse = Float32(0.0)
             shifts[i] = lse
-        for s in cutlass.range(num_splits, unroll=2):
+        for s in cutlass.range(num_splits, unroll=unroll):
             part = s * batches + b
-            for i in cutlass.range_constexpr(ITEMS_IN_FLIGHT):
+            for i in cutlass.range_constexpr(items):
                 w = cute.math.exp2((mLSEpart[part, heads[i], queries[i]] - shifts[i]) * _LOG2E, fastmath=True)
                 o_row = cute.zipped_divide(mOpart[part, queries[i], heads[i], None], (_FP32_CHUNK,))
                 o = o_row[None, chunks[i]].load()
                 for c in cutlass.range_constexpr(_FP32_CHUNK):
                     acc[i, c] += w * o[c]
-        for i in cutlass.range_constexpr(ITEMS_IN_FLIGHT):
-            item = (g * ITEMS_IN_FLIGHT + i) * self.num_threads + tidx
+        for i in cutlass.range_constexpr(items):
+            item = (g * items + i) * self.num_threads + tidx
             if item < num_items:
                 out_row = cute.zipped_divide(mO[b, queries[i], heads[i], None], (_FP32_CHUNK,))
                 out_row[None, chunks[i]].store(acc[i, None].load().to(self.out_dtype))
