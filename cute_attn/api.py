@@ -7,12 +7,13 @@ from typing import Literal, Optional, Union, overload
 import torch
 from torch import Tensor
 
-from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, UNBOUNDED, AttnFeatures, RunArgs, attn_features
+from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, FP8, FP8_POLICY_OF_OUTPUT, UNBOUNDED, AttnFeatures, RunArgs, attn_features
 from cute_attn.validation import (
     _is_compiling,
     pointer_unknown,
     prepare_dout,
     validate_flags,
+    validate_fp8_fwd_inputs,
     validate_fwd_inputs,
     validate_softcap,
     validate_varlen_fwd_inputs,
@@ -29,21 +30,25 @@ _TensorPair = tuple[Tensor, Tensor]
 @overload
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: Literal[False] = ...,
-        deterministic: bool = ...) -> Tensor: ...
+        deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
+        v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...) -> Tensor: ...
 @overload
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: Literal[True],
-        deterministic: bool = ...) -> _TensorPair: ...
+        deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
+        v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...) -> _TensorPair: ...
 @overload
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: bool,
-        deterministic: bool = ...) -> Union[Tensor, _TensorPair]: ...
+        deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
+        v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...) -> Union[Tensor, _TensorPair]: ...
 
 
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         softmax_scale: Optional[float] = None, window_size: tuple[int, int] = _NO_WINDOW,
         softcap: float = 0.0, return_lse: bool = False,
-        deterministic: bool = False) -> Union[Tensor, _TensorPair]:
+        deterministic: bool = False, q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+        v_descale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Union[Tensor, _TensorPair]:
     """Multi-head attention on an sm_90 (Hopper) GPU, differentiable.
 
     Args:
@@ -73,6 +78,12 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         return_lse: (bool) also return the log-sum-exp of each row (not differentiable).
         deterministic: (bool) make the backward's dQ accumulation order fixed, so
             gradients are bit-identical run to run.
+        q_descale, k_descale, v_descale: FP8 only. With q, k, v in torch.float8_e4m3fn
+            (cute_attn.quantize_fp8 makes them), float32 (batch, nheads_kv) factors,
+            FlashAttention-3's convention: the real value is the stored value times its
+            descale (q's per KV head: the query heads of a GQA group share one). None
+            means 1. The FP8 forward has no backward.
+        out_dtype: FP8 only: torch.bfloat16 (None) or torch.float16.
 
     Returns:
         out, shaped and typed like q (same stride order), or (out, lse) with lse
@@ -90,6 +101,15 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
+    if q_descale is not None or k_descale is not None or v_descale is not None \
+            or getattr(q, "dtype", None) is FP8:
+        descales = (q_descale, k_descale, v_descale)
+        policy, no_kernel = validate_fp8_fwd_inputs(q, k, v, descales, out_dtype, softmax_scale, softcap)
+        scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
+        features, run_args = _features_and_args(causal, window, softcap, scale)
+        return _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel)
+    if out_dtype is not None:
+        raise ValueError("out_dtype is for FP8 inputs; a 16-bit call returns q's dtype")
     no_kernel = validate_fwd_inputs(q, k, v, softmax_scale, softcap)
     scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
     features, run_args = _features_and_args(causal, window, softcap, scale)
@@ -101,26 +121,34 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
                window_size: tuple[int, int] = ..., softmax_scale: Optional[float] = ...,
                softcap: float = ..., return_lse: Literal[False] = ..., deterministic: bool = ...,
-               check_cu_seqlens: Optional[bool] = ...) -> Tensor: ...
+               check_cu_seqlens: Optional[bool] = ..., q_descale: Optional[Tensor] = ...,
+               k_descale: Optional[Tensor] = ..., v_descale: Optional[Tensor] = ...,
+               out_dtype: Optional[torch.dtype] = ...) -> Tensor: ...
 @overload
 def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
                window_size: tuple[int, int] = ..., softmax_scale: Optional[float] = ...,
                softcap: float = ..., return_lse: Literal[True], deterministic: bool = ...,
-               check_cu_seqlens: Optional[bool] = ...) -> _TensorPair: ...
+               check_cu_seqlens: Optional[bool] = ..., q_descale: Optional[Tensor] = ...,
+               k_descale: Optional[Tensor] = ..., v_descale: Optional[Tensor] = ...,
+               out_dtype: Optional[torch.dtype] = ...) -> _TensorPair: ...
 @overload
 def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
                window_size: tuple[int, int] = ..., softmax_scale: Optional[float] = ...,
                softcap: float = ..., return_lse: bool, deterministic: bool = ...,
-               check_cu_seqlens: Optional[bool] = ...) -> Union[Tensor, _TensorPair]: ...
+               check_cu_seqlens: Optional[bool] = ..., q_descale: Optional[Tensor] = ...,
+               k_descale: Optional[Tensor] = ..., v_descale: Optional[Tensor] = ...,
+               out_dtype: Optional[torch.dtype] = ...) -> Union[Tensor, _TensorPair]: ...
 
 
 def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                window_size: tuple[int, int] = _NO_WINDOW, softmax_scale: Optional[float] = None,
                softcap: float = 0.0, return_lse: bool = False, deterministic: bool = False,
-               check_cu_seqlens: Optional[bool] = None) -> Union[Tensor, _TensorPair]:
+               check_cu_seqlens: Optional[bool] = None, q_descale: Optional[Tensor] = None,
+               k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None) -> Union[Tensor, _TensorPair]:
     """mha over a packed batch of variable-length sequences, differentiable.
 
     Args:
@@ -140,7 +168,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
             graph is being captured. True: the same, an error under capture; False:
             never, and offsets that break these rules leave rows of out unwritten or
             mix sequences.
-        Everything else as in `mha`; masks are bottom-right aligned per sequence.
+        Everything else as in `mha` (FP8 too: descales (batch, nheads_kv) with batch the
+            number of sequences); masks are bottom-right aligned per sequence.
 
     Returns:
         out (total_q, nheads, headdim) like q, or (out, lse) with lse float32
@@ -161,8 +190,13 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                 "(or None)"
             )
         check_cu_seqlens = False
+    descales = (q_descale, k_descale, v_descale)
+    fp8 = any(d is not None for d in descales) or getattr(q, "dtype", None) is FP8
     validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale, check_cu_seqlens, softcap=softcap)
+                               softmax_scale, check_cu_seqlens, softcap=softcap,
+                               fp8=(descales, out_dtype) if fp8 else None)
+    if not fp8 and out_dtype is not None:
+        raise ValueError("out_dtype is for FP8 inputs; a 16-bit call returns q's dtype")
     scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
     # the grid never needs more than the total tokens (and they fit an Int32 on any GPU)
     total_q, total_k = q.shape[0], k.shape[0]
@@ -171,6 +205,9 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
         causal, window, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     )
     no_kernel = total_q == 0 or total_k == 0 or q.shape[1] == 0
+    if fp8:
+        policy = FP8_POLICY_OF_OUTPUT[out_dtype or torch.bfloat16]
+        return _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel)
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
@@ -259,13 +296,26 @@ def _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel=False
     return (out, lse) if return_lse else out
 
 
-def _outputs_without_kernel(q, features):
+def _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel):
+    """The FP8 forward (forward only: validation refused autograd)."""
+    if _traced(q):
+        raise NotImplementedError("the FP8 forward has no torch.compile op yet: call it eagerly")
+    if no_kernel:
+        out, lse = _outputs_without_kernel(q, features, policy.output)
+    else:
+        out, lse = _launcher().run_fwd_fp8(q, k, v, descales, policy, features, run_args, need_lse=return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _outputs_without_kernel(q, features, out_dtype=None):
     """(out, lse) of a call that needs no kernel, shaped and typed as the launcher's:
     q has no elements (both empty), or k has no keys, so every row sees no key and
     gets the rule for such rows, out = 0 and lse = -inf. Nothing is compiled or
     launched; the tensors are made like q (its device, its stride order for out)."""
-    policy = DTYPE_OF_INPUT.get(q.dtype)
-    out = torch.zeros_like(q, dtype=policy.output if policy is not None else q.dtype)
+    if out_dtype is None:
+        policy = DTYPE_OF_INPUT.get(q.dtype)
+        out_dtype = policy.output if policy is not None else q.dtype
+    out = torch.zeros_like(q, dtype=out_dtype)
     if features.varlen:
         total_q, heads, _ = q.shape
         shape = (heads, total_q)

@@ -103,6 +103,9 @@ class RunArgs(NamedTuple):
 # ----------------------------------------------------------------------------------------
 
 _DSL_TYPE_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32"}
+FP8 = getattr(torch, "float8_e4m3fn", None)  # None in torch builds without FP8
+if FP8 is not None:
+    _DSL_TYPE_NAMES[FP8] = "Float8E4M3FN"
 
 
 @dataclass(frozen=True)
@@ -140,8 +143,15 @@ DTYPES = {
         DtypePolicy("bf16", torch.bfloat16, torch.bfloat16, torch.bfloat16),
     )
 }
-# the per-call lookup: input dtype -> policy
+# the per-call lookup: input dtype -> policy (16-bit inputs; FP8 below)
 DTYPE_OF_INPUT = {p.input: p for p in DTYPES.values()}
+# FP8 (e4m3) forward: q, k, v in e4m3 with float32 descales (cute_attn/fp8.py), P rounded
+# to e4m3 for the PV WGMMA, fp32 accumulators; the output is 16-bit, so one policy per
+# output dtype. Looked up by output dtype (FP8_POLICY_OF_OUTPUT), never by input.
+if FP8 is not None:
+    for _p in (DtypePolicy("e4m3", FP8, FP8, torch.bfloat16), DtypePolicy("e4m3_fp16", FP8, FP8, torch.float16)):
+        DTYPES[_p.name] = _p
+FP8_POLICY_OF_OUTPUT = {DTYPES[n].output: DTYPES[n] for n in ("e4m3", "e4m3_fp16") if n in DTYPES}
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,9 @@ class Capability:
 
 CAPABILITIES = {
     "fwd": Capability(head_dims=(64, 96, 128, 192, 256), dtypes=("fp16", "bf16")),
+    # FP8 WGMMA steps K by 32 keys for P V: the KV block (tile_n) must be a multiple of 32
+    # (fp8_fwd_config_for); V arrives transposed (launcher.transpose_v_fp8)
+    "fwd_fp8": Capability(head_dims=(64, 128, 256), dtypes=("e4m3", "e4m3_fp16")),
     # Each consumer warpgroup keeps a 64 x head_dim dK and dV accumulator in registers
     # (head_dim registers per thread for the two), which leaves room for the S, dP and dQ
     # tiles only up to head dim 128; beyond, see BwdConfig.d_slice.
@@ -252,6 +265,32 @@ def fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1, pag
     cfg = _fwd_tile_config(head_dim, features)
     if page_size:
         cfg = dataclasses.replace(cfg, tile_n=paged_tile_n(cfg.tile_n, page_size), page_size=page_size)
+    return cfg if pack_gqa == 1 else dataclasses.replace(cfg, pack_gqa=pack_gqa)
+
+
+def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1) -> FwdConfig:
+    """The FP8 forward's tiles. KV blocks are multiples of 32 keys (the FP8 WGMMA's K).
+    Operands take half the bytes of 16-bit ones, so blocks can be longer than the 16-bit
+    forward's, which spreads each block's fixed costs (row max, barriers, O rescale) over
+    more keys; shared memory also holds the 16-bit output tile beside Q (fwd_sm90's
+    epilogue). Measured on an H100, 16K tokens, TF/s with the V transpose included
+    (perf/NOTES.md, session 9):
+      head dim 128: 128 x 224 798 non-causal (128 x 128: 767, 192: 791, 256 spills: 755);
+                    causal 128 x 128 748 (224: 722: the diagonal's masked blocks cost more)
+      head dim 256: 128 x 128 1068 / 953 causal (64: 874 / 809, 96: 967 / 896)
+      head dim 64:  192 x 160 576 non-causal, 192 x 128 527 causal (128 x 128: 456 / 444)"""
+    if head_dim <= 64:
+        # three consumer warpgroups have 160 registers: a window's two-sided mask with a
+        # softcap spilled 36 bytes there (ptxas), two warpgroups do not
+        if features.local:
+            cfg = FwdConfig(tile_m=128, tile_n=128, num_stages=2)
+        else:
+            cfg = FwdConfig(tile_m=192, tile_n=128 if features.causal_like else 160, num_stages=2)
+    elif head_dim <= 128:
+        cfg = FwdConfig(tile_m=128, tile_n=128 if features.causal_like else 224, num_stages=2)
+    else:
+        # a window with a softcap spilled 252 bytes at 128 keys per block (ptxas)
+        cfg = FwdConfig(tile_m=128, tile_n=64 if features.local else 128, num_stages=2)
     return cfg if pack_gqa == 1 else dataclasses.replace(cfg, pack_gqa=pack_gqa)
 
 

@@ -30,6 +30,7 @@ from cute_attn.config import (
     FwdConfig,
     RunArgs,
     bwd_config_for,
+    fp8_fwd_config_for,
     fwd_config_for,
     pack_gqa_for,
 )
@@ -62,19 +63,20 @@ class _Symbols:
         self.seqlen_q, self.seqlen_k = cute.sym_int32(symbol="seqlen_q"), cute.sym_int32(symbol="seqlen_k")
 
 
-def _fake_bshd(dtype_name: str, batch, seqlen, heads, head_dim: int, name: str):
-    """(batch, seqlen, heads, head_dim) with head_dim contiguous; the other strides are
-    64-bit and declared multiples of the policy's alignment (16 bytes, as TMA requires;
-    validation checks it before a call); the pointer 16-byte aligned."""
+def _fake_bshd(dtype_name: str, batch, seqlen, heads, head_dim: int, name: str, which: str = "input",
+               seqlen_contiguous: bool = False):
+    """(batch, seqlen, heads, head_dim) of the policy's `which` dtype with head_dim
+    contiguous (or seqlen: FP8's transposed V); the other strides are 64-bit and declared
+    multiples of 16 bytes, as TMA requires (validation checks it before a call); the
+    pointer 16-byte aligned."""
     import cutlass.cute as cute
 
     policy = DTYPES[dtype_name]
-    strides = tuple(
-        cute.sym_int64(divisibility=policy.align_elems, symbol=f"{name}_stride{i}") for i in range(3)
-    )
+    align_elems = policy.align_bytes // getattr(policy, which).itemsize
+    strides = [cute.sym_int64(divisibility=align_elems, symbol=f"{name}_stride{i}") for i in range(3)]
+    strides = (strides[0], 1, strides[1], strides[2]) if seqlen_contiguous else (*strides, 1)
     return cute.runtime.make_fake_tensor(
-        policy.dsl("input"), (batch, seqlen, heads, head_dim), stride=(*strides, 1),
-        assumed_align=policy.align_bytes,
+        policy.dsl(which), (batch, seqlen, heads, head_dim), stride=strides, assumed_align=policy.align_bytes,
     )
 
 
@@ -123,6 +125,8 @@ def _fake_fwd_args(key: FwdKey):
     import cutlass.cute as cute
 
     n, d = _Symbols(), key.head_dim
+    if DTYPES[key.dtype].input.itemsize == 1:
+        return _fake_fp8_fwd_args(key, n)
     q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
     # a paged cache's batch mode counts pages, not the queries' entries
     kv_batch = cute.sym_int32(symbol="num_pages") if key.config.page_size else n.batch
@@ -139,6 +143,34 @@ def _fake_fwd_args(key: FwdKey):
     o_part, lse_part = _fake_partials(n, d)
     return (*head, o_part, lse_part, _fake_cu_seqlens("tile_counters"), *_fake_run_args(), cutlass.Int32(1),
             _fake_stream())
+
+
+def _fake_fp8_fwd_args(key: FwdKey, n: "_Symbols"):
+    """FlashFwdSm90Fp8's arguments: e4m3 q, k and transposed V (seqlen contiguous), a
+    16-bit out, three (batch, heads_kv) float32 descales."""
+    import cutlass
+    import cutlass.cute as cute
+
+    d = key.head_dim
+    q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
+    k = _fake_bshd(key.dtype, n.batch, n.seqlen_k, n.heads_kv, d, "k")
+    # varlen: V^T is dense per sequence (kernels/v_transpose.py), its own batch and length
+    v_t = _fake_bshd(key.dtype, cute.sym_int32(symbol="v_batch"), cute.sym_int32(symbol="v_seqlen"), n.heads_kv, d,
+                     "v", seqlen_contiguous=True)
+    o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o", which="output")
+    lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
+    # their batch is the sequences' count: a varlen call's q has batch 1
+    descale_batch = cute.sym_int32(symbol="descale_batch")
+    descales = tuple(
+        cute.runtime.make_fake_tensor(
+            cutlass.Float32, (descale_batch, n.heads_kv),
+            stride=(cute.sym_int64(symbol=f"{name}_descale_stride0"), cute.sym_int64(symbol=f"{name}_descale_stride1")),
+            assumed_align=4,
+        )
+        for name in ("q", "k", "v")
+    )
+    return (q, k, v_t, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), *descales,
+            *_fake_run_args(), _fake_stream())
 
 
 def _compile(kernel, fake_args, extra_options: str, key):
@@ -166,10 +198,11 @@ def compile_fwd(key: FwdKey, extra_options: str = ""):
     paged specialisation). Split-KV: f(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     page_table, o_part, lse_part, tile_counters, max_seqlen_q, softmax_scale, softcap,
     window_left, window_right, num_splits)."""
-    from cute_attn.kernels.fwd_sm90 import FlashFwdSm90, FlashFwdSm90SplitKV
+    from cute_attn.kernels.fwd_sm90 import FlashFwdSm90, FlashFwdSm90Fp8, FlashFwdSm90SplitKV
 
-    _check_capability("fwd", key)
-    cls = FlashFwdSm90SplitKV if key.config.split_kv else FlashFwdSm90
+    fp8 = DTYPES[key.dtype].input.itemsize == 1
+    _check_capability("fwd_fp8" if fp8 else "fwd", key)
+    cls = FlashFwdSm90Fp8 if fp8 else FlashFwdSm90SplitKV if key.config.split_kv else FlashFwdSm90
     kernel = cls(DTYPES[key.dtype], key.head_dim, key.features, key.config)
     return _compile(kernel, _fake_fwd_args(key), extra_options, key)
 
@@ -287,6 +320,99 @@ def run_fwd(
     window_left, window_right = args.window
     plan.fn(q4, k4, v4, out4, lse3, cu_q, cu_k, _page_table(args, q.device), args.max_seqlen_q,
             args.softmax_scale, args.softcap, window_left, window_right)
+    return out, (lse if need_lse else None)
+
+
+# ----------------------------------------------------------------------------------------
+# FP8 (e4m3) forward (kernels/fwd_sm90.FlashFwdSm90Fp8)
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransposeKey:
+    head_dim: int
+    varlen: bool
+    arch: str = ARCH
+
+
+def compile_transpose(key: TransposeKey, extra_options: str = ""):
+    """Compile the FP8 V transpose (kernels/v_transpose.py); returns f(v, v_t, cu_seqlens_k)
+    on uint8 views: v (batch, seqlen, heads, head_dim) (varlen: (1, total, ...)), v_t
+    (batch, heads, head_dim, seqlen_padded); cu_seqlens_k is read by varlen only."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_attn.kernels.v_transpose import TransposeV
+
+    n, d = _Symbols(), key.head_dim
+
+    def strides(name):
+        return tuple(cute.sym_int64(divisibility=16, symbol=f"{name}_stride{i}") for i in range(3)) + (1,)
+
+    # varlen: v is one packed sequence, v_t has the sequences' batch
+    v = cute.runtime.make_fake_tensor(cutlass.Uint8, (cute.sym_int32(symbol="v_batch"), n.seqlen_k, n.heads_kv, d),
+                                      stride=strides("v"),
+                                      assumed_align=16)
+    v_t = cute.runtime.make_fake_tensor(cutlass.Uint8, (n.batch, n.heads_kv, d, cute.sym_int32(symbol="padded")),
+                                        stride=strides("v_t"), assumed_align=16)
+    return _compile(TransposeV(d, key.varlen), (v, v_t, _fake_cu_seqlens("cu_seqlens_k"), _fake_stream()),
+                    extra_options, key)
+
+
+def transpose_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_k: int = 0):
+    """V as the FP8 kernel reads it, by kernels/v_transpose.py: FP8 WGMMA takes only
+    K-major operands and the K of P V is the key, so V must be key-contiguous in shared
+    memory; one read and one write of V (1 byte per element), against the forward's two
+    GEMMs over it per query tile.
+
+    Dense V (batch, seqlen, heads, head_dim): returns the same shape with seqlen the
+    contiguous dim (a fresh (batch, heads, head_dim, seqlen_padded) buffer seen through a
+    permuted view). Packed varlen V (total, heads, head_dim) with its cu_seqlens_k: returns
+    a dense (batch, max_seqlen_k, heads, head_dim) view of that kind, sequence b's keys at
+    entry b (the kernel module says why). The seqlen stride is padded to 16 elements (TMA:
+    16-byte strides); the padding is outside the view, never read."""
+    head_dim, heads = v.shape[-1], v.shape[-2]
+    varlen = cu_seqlens_k is not None
+    seqlen = max_seqlen_k if varlen else v.shape[1]
+    batch = cu_seqlens_k.shape[0] - 1 if varlen else v.shape[0]
+    padded = -(-seqlen // 16) * 16
+    buf = torch.empty((batch, heads, head_dim, padded), dtype=torch.uint8, device=v.device)
+    fn = _cached(TransposeKey(head_dim, varlen), _from_disk_or_compiled(compile_transpose, _raw))
+    fn((v[None] if varlen else v).view(torch.uint8), buf,
+       cu_seqlens_k if varlen else _unused_cu_seqlens(v.device))
+    return buf.view(v.dtype)[..., :seqlen].movedim(-1, -3)
+
+
+def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs, need_lse: bool = True):
+    """The FP8 forward on validated inputs: q, k, v e4m3 (dense, or packed varlen),
+    descales (q, k, v) each None (1) or float32 (batch, heads_kv); returns (out, lse),
+    out in policy.output with q's dimension order, lse as run_fwd's."""
+    head_dim = q.shape[-1]
+    group = q.shape[-2] // k.shape[-2]
+    pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
+    key = FwdKey(policy.name, head_dim, features, fp8_fwd_config_for(head_dim, features, pack))
+    fn = get_fwd_kernel(key)
+    out = torch.empty_like(q, dtype=policy.output)
+    shape = _lse_shape(q, features)
+    lse = torch.empty(shape, dtype=torch.float32, device=q.device) if need_lse else _lse_sink(q.device, shape)
+    batch = args.cu_seqlens_q.shape[0] - 1 if features.varlen else q.shape[0]
+    ones = None
+    scales = []
+    for ds in descales:
+        if ds is None:
+            if ones is None:
+                ones = torch.ones((batch, k.shape[-2]), dtype=torch.float32, device=q.device)
+            ds = ones
+        scales.append(ds)
+    q4, k4, _, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
+    if features.varlen:
+        vt4 = transpose_v_fp8(v, args.cu_seqlens_k, args.max_seqlen_k)
+    else:
+        vt4 = transpose_v_fp8(v)
+    out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
+    window_left, window_right = args.window
+    fn(q4, k4, vt4, out4, lse3, cu_q, cu_k, *scales, args.max_seqlen_q, args.softmax_scale, args.softcap,
+       window_left, window_right)
     return out, (lse if need_lse else None)
 
 

@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cute_attn.config import CAPABILITIES, DTYPE_OF_INPUT, DTYPES, DtypePolicy
+from cute_attn.config import CAPABILITIES, DTYPE_OF_INPUT, DTYPES, FP8, FP8_POLICY_OF_OUTPUT, DtypePolicy
 
 _NAMES = ("q", "k", "v")
 _DENSE_SHAPE = "(batch, seqlen, nheads, headdim)"
@@ -392,8 +392,69 @@ def prepare_dout(dout, out):
 # ----------------------------------------------------------------------------------------
 
 
+# ----------------------------------------------------------------------------------------
+# FP8 (e4m3) forward: q, k, v in e4m3 with (batch, nheads_kv) float32 descales
+# ----------------------------------------------------------------------------------------
+
+
+def validate_fp8_operands(q, k, v, descales, out_dtype, batch, softmax_scale, softcap=0.0, **other_tensors):
+    """The FP8 forward's checks once q, k, v have their ranks and shapes (dense or
+    varlen, checked by the caller): e4m3 dtypes, a head dim it is built for, TMA
+    layouts (16-byte strides: 16 elements), descales (None or float32 (batch, nheads_kv)
+    on q's device), out_dtype (None: bfloat16, or torch.float16), no autograd, then scale
+    and devices as for 16-bit calls. Returns the DtypePolicy."""
+    for name, t in zip(_NAMES, (q, k, v)):
+        if t.dtype != FP8:
+            raise TypeError(f"{name} must be torch.float8_e4m3fn for the FP8 forward (descales were given "
+                            f"or another operand is e4m3), got {t.dtype}; quantise with cute_attn.quantize_fp8")
+    policy = FP8_POLICY_OF_OUTPUT.get(torch.bfloat16 if out_dtype is None else out_dtype)
+    if policy is None:
+        raise TypeError(f"out_dtype must be None (bfloat16), torch.bfloat16 or torch.float16, got {out_dtype}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad() "
+                                  "or with tensors that do not require grad")
+    head_dims = CAPABILITIES["fwd_fp8"].head_dims
+    d = q.shape[-1]
+    if d not in head_dims:
+        raise ValueError(f"q headdim must be one of {head_dims} for the FP8 forward, got {d}")
+    for name, t in zip(_NAMES, (q, k, v)):
+        problem = _layout_problem(name, t, policy)
+        if problem:
+            raise ValueError(problem)
+    heads_kv = k.shape[-2]
+    for name, ds in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if ds is None:
+            continue
+        if not isinstance(ds, torch.Tensor):
+            raise TypeError(f"{name} must be None or a torch.Tensor, got {type(ds).__name__}")
+        if ds.dtype != torch.float32:
+            raise TypeError(f"{name} must be torch.float32, got {ds.dtype}")
+        if tuple(ds.shape) != (batch, heads_kv):
+            raise ValueError(f"{name} must have shape (batch, nheads_kv) = ({batch}, {heads_kv}), "
+                             f"got {tuple(ds.shape)}")
+    _check_scale(softmax_scale)
+    if softcap:
+        _check_softcap_scale(softcap, softmax_scale, d)
+    given = {n: ds for n, ds in zip(("q_descale", "k_descale", "v_descale"), descales) if ds is not None}
+    _check_devices({**dict(zip(_NAMES, (q, k, v))), **other_tensors, **given})
+    return policy
+
+
+def validate_fp8_fwd_inputs(q, k, v, descales, out_dtype, softmax_scale, softcap=0.0):
+    """validate_fwd_inputs for the FP8 forward (dense (batch, seqlen, nheads, headdim)
+    tensors): returns (policy, no_kernel) with no_kernel as validate_fwd_inputs'."""
+    tensors = dict(zip(_NAMES, (q, k, v)))
+    for name, t in tensors.items():
+        _check_is_tensor(name, t)
+    for name, t in tensors.items():
+        _check_rank(name, t, 4, _DENSE_SHAPE)
+    _check_shapes(q, k, v)
+    policy = validate_fp8_operands(q, k, v, descales, out_dtype, q.shape[0], softmax_scale, softcap)
+    return policy, (q.numel() == 0 or k.shape[1] == 0)
+
+
 def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale, check_cu_seqlens=None, *, softcap=0.0):
+                               softmax_scale, check_cu_seqlens=None, *, softcap=0.0, fp8=None):
     """Everything mha_varlen needs before a launch: the packed shapes and cu_seqlens
     (validate_varlen_inputs), then dtype, head dim, TMA layout, scale, and the device
     checks of validate_fwd_inputs, applied to (total, nheads, headdim) tensors; last, once
@@ -410,9 +471,13 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is None:
             raise TypeError(f"{name} must be a Python int (the longest sequence), got None")
-    policy = _check_dtypes(q, k, v)
-    _check_operands(dict(zip(_NAMES, (q, k, v))), policy, softmax_scale, softcap,
-                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if fp8 is not None:
+        validate_fp8_operands(q, k, v, *fp8, batch, softmax_scale, softcap,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    else:
+        policy = _check_dtypes(q, k, v)
+        _check_operands(dict(zip(_NAMES, (q, k, v))), policy, softmax_scale, softcap,
+                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if check_cu_seqlens is False:
         return batch
     capturing = _capturing_cuda_graph()

@@ -41,6 +41,7 @@ Run from the repo root (on the GPU machine, after `source .devbundle/install.sh`
     python3 perf/bench.py --quick              # check + hdim 128, seqlen 1K/4K, 3 rounds
     python3 perf/bench.py --bwd --quick        # gradient check + the same timings, backward
     python3 perf/bench.py --host-overhead --out $OUT
+    python3 perf/bench.py --dtype fp8          # the FP8 forward: perf/bench_fp8.py
 
 The helpers above the "GPU side" line are pure and are tested on the CPU by
 tests/test_bench_cpu.py; nothing at import time needs a GPU, triton or matplotlib.
@@ -411,6 +412,13 @@ def _quick_check(impls: dict, skipped: list[dict], args, dtype) -> bool:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--dtype=fp8" in argv or any(a == "--dtype" and b == "fp8" for a, b in zip(argv, argv[1:])):
+        # the FP8 forward has its own sweep, anchors and accuracy table: perf/bench_fp8.py
+        import bench_fp8
+
+        return bench_fp8.main([a for i, a in enumerate(argv) if a not in ("--dtype", "--dtype=fp8")
+                               and not (a == "fp8" and i and argv[i - 1] == "--dtype")])
     args = parse_args(argv)
 
     import torch

@@ -396,3 +396,40 @@ def test_page_size_must_nest_with_the_kv_block():
     assert [fwd_config_for(192, features, page_size=p).tile_n for p in (16, 32, 64, 128, 256)] == [96, 96, 64, 64, 64]
     assert fwd_config_for(128, features, page_size=16).kv_box_rows == 16
     assert fwd_config_for(128, features, page_size=256).kv_box_rows == 128
+
+
+# ----------------------------------------------------------------------------------------
+# FP8 (e4m3) forward and its V transpose
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_fp8_forward_compiles_with_e4m3_wgmma(head_dim, mask):
+    """Both GEMMs run as e4m3 WGMMAs (K = 32) with fp32 accumulators; P is converted with
+    saturating e4m3x2 conversions and moved into the A layout by quad shuffles and byte
+    permutes (blocks/fp8_operand.py); the output leaves as bf16; nothing spills."""
+    from cute_attn.config import fp8_fwd_config_for
+
+    features = AttnFeatures(mask=mask)
+    config = fp8_fwd_config_for(head_dim, features)
+    art = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, config)
+    ptx = art.ptx
+    assert ".target sm_90a" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{config.tile_n}k32.f32.e4m3.e4m3" in ptx  # S = Q K^T
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k32.f32.e4m3.e4m3" in ptx  # O += P V
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt.b32" in ptx and "shfl.sync.idx" in ptx
+    assert "cvt.rn.bf16x2.f32" in ptx
+    if art.cubin is not None:
+        assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fp8_v_transpose_compiles_with_16_byte_accesses(varlen):
+    """kernels/v_transpose.py: rows in and columns out in 16-byte global accesses."""
+    from cute_attn import launcher
+
+    ptx = launcher.compile_transpose(launcher.TransposeKey(128, varlen), "--keep-ptx").__ptx__
+    assert ".target sm_90a" in ptx
+    assert ptx.count("ld.global.v4.b32") >= 1 and ptx.count("st.global.v4.b32") >= 1
+    assert "ld.global.u8" not in ptx and "st.global.u8" not in ptx

@@ -310,3 +310,75 @@ def test_rmse():
     inf = float("-inf")
     assert rmse(torch.tensor([inf, 3.0]), torch.tensor([inf, 3.0])) == 0.0
     assert rmse(torch.empty(0), torch.empty(0)) == 0.0
+
+
+# ----------------------------------------------------------------------------------------
+# The FP8 entry points' validation (cute_attn.mha / mha_varlen with e4m3 inputs): every
+# check that can be judged on CPU tensors raises, naming the argument, before any kernel
+# ----------------------------------------------------------------------------------------
+
+import cute_attn  # noqa: E402
+from cute_attn.fp8 import hadamard  # noqa: E402
+
+
+def _fp8_qkv(b=2, sq=16, sk=24, h=4, h_kv=2, d=128):
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(b, s, n, d, generator=gen).to(FP8) for s, n in ((sq, h), (sk, h_kv), (sk, h_kv)))
+
+
+def test_fp8_call_checks_dtypes_and_descales_naming_the_argument():
+    q8, k8, v8 = _fp8_qkv()
+    ones = torch.ones(2, 2)
+    with pytest.raises(TypeError, match="k must be torch.float8_e4m3fn"):
+        cute_attn.mha(q8, k8.bfloat16(), v8)
+    with pytest.raises(TypeError, match="q must be torch.float8_e4m3fn"):
+        cute_attn.mha(q8.bfloat16(), k8.bfloat16(), v8.bfloat16(), q_descale=ones)
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(batch, nheads_kv\) = \(2, 2\)"):
+        cute_attn.mha(q8, k8, v8, k_descale=torch.ones(2, 4))
+    with pytest.raises(TypeError, match="v_descale must be torch.float32"):
+        cute_attn.mha(q8, k8, v8, v_descale=ones.double())
+    with pytest.raises(TypeError, match="q_descale must be None or a torch.Tensor"):
+        cute_attn.mha(q8, k8, v8, q_descale=1.0)
+    with pytest.raises(TypeError, match="out_dtype must be None"):
+        cute_attn.mha(q8, k8, v8, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="out_dtype is for FP8 inputs"):
+        cute_attn.mha(q8.bfloat16(), k8.bfloat16(), v8.bfloat16(), out_dtype=torch.float16)
+
+
+def test_fp8_call_checks_head_dim_layout_and_device():
+    q8, k8, v8 = _fp8_qkv(d=96)
+    with pytest.raises(ValueError, match="headdim must be one of .* for the FP8 forward, got 96"):
+        cute_attn.mha(q8, k8, v8)
+    q8, k8, v8 = _fp8_qkv()
+    with pytest.raises(ValueError, match="k must be contiguous in the last dimension"):
+        cute_attn.mha(q8, k8.transpose(1, 3).contiguous().transpose(1, 3), v8)
+    # every check passes on CPU tensors up to the device: the message names it
+    with pytest.raises(ValueError, match="q is on cpu"):
+        cute_attn.mha(q8, k8, v8, q_descale=torch.ones(2, 2), out_dtype=torch.float16)
+
+
+def test_fp8_varlen_checks_descales_against_the_sequences():
+    q8, k8, v8 = (t[0] for t in _fp8_qkv(b=1, sq=30, sk=40))
+    cu_q = torch.tensor([0, 10, 30], dtype=torch.int32)
+    cu_k = torch.tensor([0, 15, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q_descale must have shape \(batch, nheads_kv\) = \(2, 2\)"):
+        cute_attn.mha_varlen(q8, k8, v8, cu_q, cu_k, 20, 25, q_descale=torch.ones(1, 2))
+    with pytest.raises(ValueError, match="is on cpu"):
+        cute_attn.mha_varlen(q8, k8, v8, cu_q, cu_k, 20, 25, q_descale=torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hadamard_rotation_keeps_scores(d):
+    """quantize_fp8(rotate=True): H is orthonormal, so (q H)(k H)^T = q k^T; the rotated
+    e4m3 inputs dequantise to attention inputs with the same scores (up to rounding)."""
+    h = hadamard(d)
+    assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-5)
+    gen = torch.Generator().manual_seed(d)
+    q, k, v = (torch.randn(1, 20, 2, d, generator=gen) for _ in range(3))
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, rotate=True)
+    scores = torch.einsum("bqhd,bkhd->bhqk", dequantize(q8, qd), dequantize(k8, kd))
+    exact = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    assert (scores - exact).abs().max() < 0.1 * exact.abs().max()
+    assert torch.equal(v8, quantize_fp8(q, k, v)[2])  # v is not rotated
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        quantize_fp8(*(torch.randn(1, 4, 1, 96) for _ in range(3)), rotate=True)

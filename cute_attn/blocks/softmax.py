@@ -40,8 +40,14 @@ def fold_score_scale(softmax_scale: Float32, softcap: Float32, has_softcap: bool
 
 
 class OnlineSoftmax(Staged):
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    """p_log2_offset: P comes out as exp2(... + offset), i.e. scaled by 2^offset, for an
+    FP8 P operand (e4m3 keeps probabilities below 2^-6 only as subnormals; scaled by 2^8
+    they stay normal down to 2^-14). The row sums carry the same factor, so O's
+    normalisation cancels it; the LSE takes it back out."""
+
+    def __init__(self, scale_log2: Float32, num_rows: int, p_log2_offset: cutlass.Constexpr[float] = 0.0):
         self.scale_log2 = scale_log2
+        self.p_log2_offset = p_log2_offset
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -59,6 +65,8 @@ class OnlineSoftmax(Staged):
             # a row with no visible key yet: exponentiate against 0, not -inf
             safe_max = 0.0 if new_max == -Float32.inf else new_max
             max_scaled = safe_max * self.scale_log2
+            if cutlass.const_expr(self.p_log2_offset != 0.0):
+                max_scaled = max_scaled - self.p_log2_offset
             p_row = cute.math.exp2(s_row * self.scale_log2 - max_scaled, fastmath=True)
             if cutlass.const_expr(is_first):
                 row_scale[r] = 1.0
@@ -82,21 +90,23 @@ class OnlineSoftmax(Staged):
             O[r, None].store(O[r, None].load() * row_scale[r])
 
     @cute.jit
-    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
-        """Normalise O by the row sums (summed across the quad first) and write the
-        natural-log LSE per row: lse = max * scale + ln(sum)."""
+    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor, out_scale=None):
+        """Normalise O by the row sums (summed across the quad first), times out_scale if
+        given (FP8: V's descale), and write the natural-log LSE per row:
+        lse = max * scale + ln(sum)."""
         O = acc_as_rows_cols(acc_O)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             empty = total == 0.0 or total != total
             inv = 0.0 if empty else 1.0 / total
+            if cutlass.const_expr(out_scale is not None):
+                inv = inv * out_scale
             O[r, None].store(O[r, None].load() * inv)
             ln2 = math.log(2.0)
-            lse[r] = (
-                -Float32.inf
-                if empty
-                else (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * ln2
-            )
+            log2_sum = cute.math.log2(total, fastmath=True)
+            if cutlass.const_expr(self.p_log2_offset != 0.0):
+                log2_sum = log2_sum - self.p_log2_offset
+            lse[r] = -Float32.inf if empty else (self.row_max[r] * self.scale_log2 + log2_sum) * ln2
 
 
 @cute.jit

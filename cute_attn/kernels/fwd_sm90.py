@@ -75,7 +75,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from cute_attn.blocks import epilogue, lse_combine, mma_sm90
+from cute_attn.blocks import epilogue, fp8_operand, lse_combine, mma_sm90
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.mask import AttentionMask, Window
@@ -91,6 +91,11 @@ from cute_attn.blocks.tma_pipeline import (
 )
 from cute_attn.blocks.views import bshd_as_sdhb, pack_heads_into_rows, rowwise_as_rhb
 from cute_attn.config import AttnFeatures, DtypePolicy, FwdConfig
+
+
+# FP8: P leaves the softmax scaled by 2^8 (OnlineSoftmax.p_log2_offset), so the e4m3 values
+# of probabilities down to 2^-14 stay normal (FlashAttention-3's choice of scale)
+FP8_P_LOG2_OFFSET = 8.0
 
 
 class SplitBuffers(NamedTuple):
@@ -118,6 +123,7 @@ class FwdGlobals(NamedTuple):
     cu_seqlens_k: cute.Tensor
     page_table: cute.Tensor  # (batch, max_pages) int32; paged KV only (else unread)
     split: SplitBuffers  # split-KV only (else stand-ins, unread)
+    descale: tuple  # FP8: (q, k, v) descales, (batch, heads_kv) float32 (else stand-ins, unread)
 
 
 class FwdLayouts(NamedTuple):
@@ -126,7 +132,8 @@ class FwdLayouts(NamedTuple):
 
     sQ: cute.ComposedLayout
     sK: cute.ComposedLayout
-    sV: cute.ComposedLayout
+    sV: cute.ComposedLayout  # (tile_n, head_dim, stages); FP8: keys contiguous (V arrives transposed)
+    sO: cute.ComposedLayout  # the output tile: sQ's layout, or (FP8) its own 16-bit one
     mma_qk: cute.TiledMma  # S = Q K^T, both operands from smem
     mma_pv: cute.TiledMma  # O += P V, P from registers
 
@@ -138,7 +145,8 @@ class FwdPipelines(NamedTuple):
 
 
 class FwdSmem(NamedTuple):
-    q: cute.Tensor  # also O's staging buffer in the epilogue
+    q: cute.Tensor
+    o: cute.Tensor  # O's staging buffer in the epilogue: Q's buffer, or (FP8) its own
     k: cute.Tensor  # (tile_n, head_dim, stages)
     v: cute.Tensor
     tile_is_last: cute.Tensor  # (1,) int32, split-KV: the merge_if_last broadcast
@@ -160,6 +168,10 @@ class MainloopOperands(NamedTuple):
 class FlashFwdSm90:
     def __init__(self, dtypes: DtypePolicy, head_dim: int, features: AttnFeatures, config: FwdConfig):
         self.dtype = dtypes.dsl("input")
+        # FP8 (e4m3) operands: V transposed, P permuted into the FP8 A layout, descales;
+        # the 16-bit output tile needs its own shared buffer (twice Q's bytes)
+        self.fp8 = dtypes.input.itemsize == 1
+        self.o_aliases_q = dtypes.output.itemsize == dtypes.input.itemsize
         self.p_dtype = dtypes.dsl("p")
         self.out_dtype = dtypes.dsl("output")
         self.head_dim = head_dim
@@ -178,6 +190,7 @@ class FlashFwdSm90:
         self.page_size = config.page_size
         self.kv_box_rows = config.kv_box_rows
         assert self.page_size == 0 or features.kv_lengths, "a paged cache needs kv_lengths"
+        assert not self.fp8 or (self.page_size == 0 and not self.split_kv and self.tile_n % 32 == 0)
         assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
         # causal-like masks: the last query blocks see the most keys, so they go first
         self.scheduler = TileScheduler(
@@ -202,16 +215,16 @@ class FlashFwdSm90:
         window_right: Int32,
         stream,
     ):
-        # the split stand-ins are never read (split_kv is False)
+        # the split and descale stand-ins are never read (split_kv and fp8 are False)
         split = SplitBuffers(mO, mLSE, mO, mLSE, mCuSeqlensK)
-        self.launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mPageTable, split, max_seqlen_q,
-                    softmax_scale, softcap, window_left, window_right, Int32(1), stream)
+        self.launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mPageTable, split, (mLSE, mLSE, mLSE),
+                    max_seqlen_q, softmax_scale, softcap, window_left, window_right, Int32(1), stream)
 
     @cute.jit
     def launch(
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mPageTable: cute.Tensor, split: SplitBuffers,
-        max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32, window_left: Int32,
+        descale: tuple, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32, window_left: Int32,
         window_right: Int32, num_splits: Int32, stream,
     ):
         """mO, mLSE: what the tiles write (split-KV: the partials)."""
@@ -224,15 +237,25 @@ class FlashFwdSm90:
 
         d = self.head_dim
         sK_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, self.num_stages)
+        sV_layout = sK_layout
+        # P @ V: A = P from registers, B = V^T (head_dim, keys); its contiguous dim is N
+        # (head_dim), or with FP8, whose WGMMA takes only K-major operands, K (keys): V
+        # arrives transposed in global memory and its stages are V^T tiles seen as (keys,
+        # head_dim)
+        pv_b_major = OperandMajorMode.MN
+        if cutlass.const_expr(self.fp8):
+            sV_layout = cute.select(
+                mma_sm90.make_smem_layout(self.dtype, d, self.tile_n, self.num_stages), mode=[1, 0, 2]
+            )
+            pv_b_major = OperandMajorMode.K
+        sQ_layout = mma_sm90.make_smem_layout(self.dtype, self.tile_m, d)
         layouts = FwdLayouts(
-            sQ=mma_sm90.make_smem_layout(self.dtype, self.tile_m, d),
+            sQ=sQ_layout,
             sK=sK_layout,
-            sV=mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, self.num_stages),
+            sV=sV_layout,
+            sO=sQ_layout if self.o_aliases_q else mma_sm90.make_smem_layout(self.out_dtype, self.tile_m, d),
             mma_qk=mma_sm90.make_tiled_mma(self.dtype, OperandMajorMode.K, self.tile_n, self.num_mma_wg),
-            # P @ V: A = P from registers, B = V^T, whose contiguous dim (head_dim) is N
-            mma_pv=mma_sm90.make_tiled_mma(
-                self.p_dtype, OperandMajorMode.MN, d, self.num_mma_wg, a_in_registers=True
-            ),
+            mma_pv=mma_sm90.make_tiled_mma(self.p_dtype, pv_b_major, d, self.num_mma_wg, a_in_registers=True),
         )
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         kv_stage = cute.select(sK_layout, mode=[0, 1])
@@ -241,14 +264,15 @@ class FlashFwdSm90:
         kv_box = kv_stage
         if cutlass.const_expr(self.kv_box_rows < self.tile_n):
             kv_box = mma_sm90.make_smem_layout(self.dtype, self.kv_box_rows, d)
+        v_box = cute.select(sV_layout, mode=[0, 1]) if cutlass.const_expr(self.fp8) else kv_box
         q_tma = make_tma_tensor(load_op, mQ, layouts.sQ, (self.tile_m, d))
         g = FwdGlobals(
             q=q_tma,
             k=make_tma_tensor(load_op, mK, kv_box, (self.kv_box_rows, d)),
-            v=make_tma_tensor(load_op, mV, kv_box, (self.kv_box_rows, d)),
-            o=self._o_store(mO, layouts.sQ, q_tma),
+            v=make_tma_tensor(load_op, mV, v_box, (self.kv_box_rows, d)),
+            o=self._o_store(mO, layouts.sO, q_tma),
             o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, page_table=mPageTable,
-            split=split,
+            split=split, descale=descale,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, layouts.sQ)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage)
@@ -263,6 +287,8 @@ class FlashFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sV)], 1024]
+            if cutlass.const_expr(not self.o_aliases_q):
+                sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(layouts.sO)], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -301,8 +327,10 @@ class FlashFwdSm90:
         )
         pipeline_init_arrive(is_relaxed=True)
 
+        sQ = storage.sQ.get_tensor(layouts.sQ.outer, swizzle=layouts.sQ.inner)
         smem = FwdSmem(
-            q=storage.sQ.get_tensor(layouts.sQ.outer, swizzle=layouts.sQ.inner),
+            q=sQ,
+            o=sQ if self.o_aliases_q else storage.sO.get_tensor(layouts.sO.outer, swizzle=layouts.sO.inner),
             k=storage.sK.get_tensor(layouts.sK.outer, swizzle=layouts.sK.inner),
             v=storage.sV.get_tensor(layouts.sV.outer, swizzle=layouts.sV.inner),
             tile_is_last=storage.tile_is_last.get_tensor(cute.make_layout(1)),
@@ -365,6 +393,9 @@ class FlashFwdSm90:
         else:
             gK = cute.local_tile(seqlen.rows_k(g.k.tensor, head_kv), (self.tile_n, d), (None, 0))
             gV = cute.local_tile(seqlen.rows_k(g.v.tensor, head_kv), (self.tile_n, d), (None, 0))
+            if cutlass.const_expr(self.fp8 and self.features.varlen):
+                # FP8 varlen: V^T is dense per sequence (kernels/v_transpose.py says why)
+                gV = cute.local_tile(g.v.tensor[None, None, head_kv, tile.batch], (self.tile_n, d), (None, 0))
             tKsK, tKgK = tma_partition(g.k, smem.k, gK)
             tVsV, tVgV = tma_partition(g.v, smem.v, gV)
 
@@ -462,7 +493,15 @@ class FlashFwdSm90:
         acc_O, tOrP = ops.acc_O, ops.tOrP
         acc_O.fill(0.0)
 
-        softmax = OnlineSoftmax(score.scale_log2, num_rows=cute.size(acc_O.shape[0][1]) * cute.size(acc_O.shape[1]))
+        v_descale = None
+        p_log2_offset = 0.0
+        if cutlass.const_expr(self.fp8):
+            score, v_descale = self.fold_descales(g, score, tile)
+            p_log2_offset = FP8_P_LOG2_OFFSET
+        softmax = OnlineSoftmax(
+            score.scale_log2, num_rows=cute.size(acc_O.shape[0][1]) * cute.size(acc_O.shape[1]),
+            p_log2_offset=p_log2_offset,
+        )
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
 
@@ -496,7 +535,7 @@ class FlashFwdSm90:
                 softcap_scores(acc_S, score.softcap_pre)
             mask.apply(acc_S, ops.tScS, m_block, n_block_max - 1)
             pending_scale.store(softmax.step(acc_S, is_first=True).load())
-            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.p_dtype))
+            self.scores_to_p(acc_S, tOrP)
             if cutlass.const_expr(not self.intra_wg_overlap):
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
 
@@ -517,12 +556,12 @@ class FlashFwdSm90:
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
 
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
-        softmax.finalize(acc_O, lse)
+        softmax.finalize(acc_O, lse, v_descale)
         if cutlass.const_expr(self.split_kv):
             self.store_partials(acc_O, lse, g, tiled_mma_pv, tidx, tile, seqlen)
             self.merge_if_last(g, smem, tile, seqlen, block_range.num_splits, tidx)
         else:
-            self.epilogue(acc_O, lse, g, smem.q, tiled_mma_pv, tidx, tile, seqlen)
+            self.epilogue(acc_O, lse, g, smem.o, tiled_mma_pv, tidx, tile, seqlen)
 
     @cute.jit
     def mainloop_step(
@@ -562,7 +601,7 @@ class FlashFwdSm90:
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
             warpgroup.wait_group(0)
             pipes.v.consumer_release(v_state)
-            ops.tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.p_dtype))
+            self.scores_to_p(acc_S, ops.tOrP)
         else:
             pipes.k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
@@ -579,9 +618,33 @@ class FlashFwdSm90:
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             row_scale = softmax.step(acc_S, is_first=False)
             softmax.rescale(ops.acc_O, row_scale)
-            ops.tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.p_dtype))
+            self.scores_to_p(acc_S, ops.tOrP)
             kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
         return kv_state
+
+    @cute.jit
+    def scores_to_p(self, acc_S, tOrP):
+        """The softmax's P (fp32, in acc_S) into the PV WGMMA's A operand in registers."""
+        if cutlass.const_expr(self.fp8):
+            fp8_operand.scores_to_fp8_operand_a(acc_S, tOrP)
+        else:
+            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.p_dtype))
+
+    @cute.jit
+    def fold_descales(self, g: FwdGlobals, score: ScoreScale, tile: WorkTile):
+        """FP8: real q k^T = stored q k^T * q_descale * k_descale, folded into the score's
+        one multiply (the tanh's pre-scale with a softcap, whose exp2 scale is the
+        softcap's own); V's descale goes to the final normalisation (returned). One value
+        per (batch entry, KV head): a CTA's rows all share it, packed GQA included."""
+        head_kv = tile.head // (g.q.tensor.shape[2] // g.k.tensor.shape[2])
+        mq, mk, mv = g.descale
+        b = tile.batch  # the sequence's index (varlen too: seqlen.batch is 0 there)
+        qk = mq[b, head_kv] * mk[b, head_kv]
+        if cutlass.const_expr(self.features.softcap):
+            score = ScoreScale(score.softmax_scale, score.scale_log2, score.softcap_pre * qk)
+        else:
+            score = ScoreScale(score.softmax_scale, score.scale_log2 * qk, score.softcap_pre)
+        return score, mv[b, head_kv]
 
     @cute.jit
     def pv_step(self, tiled_mma_pv, ops: MainloopOperands, pipeline_v, kv_state):
@@ -612,10 +675,10 @@ class FlashFwdSm90:
 
     @cute.jit
     def epilogue(
-        self, acc_O, lse, g: FwdGlobals, sQ, tiled_mma_pv, tidx, tile: WorkTile, seqlen: SeqlenInfo,
+        self, acc_O, lse, g: FwdGlobals, sO, tiled_mma_pv, tidx, tile: WorkTile, seqlen: SeqlenInfo,
     ):
         m_block, head = tile.block, tile.head
-        sO = sQ  # Q's buffer and layout: Q is dead once every warpgroup passed the barrier below
+        # sO is Q's buffer (16-bit): Q is dead once every warpgroup passed the barrier below;
         # every warpgroup's last QK^T WGMMA must have read sQ before sO overwrites it
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         epilogue.acc_to_smem(acc_O, sO, tiled_mma_pv, tidx, self.out_dtype)
@@ -747,5 +810,43 @@ class FlashFwdSm90SplitKV(FlashFwdSm90):
         stream,
     ):
         split = SplitBuffers(mOpart, mLSEpart, mO, mLSE, mTileCounters)
-        self.launch(mQ, mK, mV, mOpart, mLSEpart, mCuSeqlensQ, mCuSeqlensK, mPageTable, split, max_seqlen_q,
-                    softmax_scale, softcap, window_left, window_right, num_splits, stream)
+        self.launch(mQ, mK, mV, mOpart, mLSEpart, mCuSeqlensQ, mCuSeqlensK, mPageTable, split,
+                    (mLSE, mLSE, mLSE), max_seqlen_q, softmax_scale, softcap, window_left, window_right,
+                    num_splits, stream)
+
+
+class FlashFwdSm90Fp8(FlashFwdSm90):
+    """The FP8 (e4m3) forward's entry point: q, k and V transposed in e4m3, each with its
+    (batch, heads_kv) float32 descale (real = stored * descale), O in 16 bits.
+
+    V arrives as V^T: the caller passes a (batch, seqlen_k, heads_kv, head_dim) view whose
+    seqlen mode is contiguous (launcher.transpose_v_fp8), because FP8 WGMMA reads both
+    operands K-major and the K of P V is the key. The kernel is the dense one otherwise:
+    the same pipelines, masks and softmax, with P permuted into the FP8 A layout
+    (blocks/fp8_operand.py) and the descales folded into the score scale and the final
+    normalisation (fold_descales)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mVt: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim), seqlen_k contiguous
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mQDescale: cute.Tensor,  # (batch, heads_kv) float32
+        mKDescale: cute.Tensor,
+        mVDescale: cute.Tensor,
+        max_seqlen_q: Int32,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream,
+    ):
+        split = SplitBuffers(mO, mLSE, mO, mLSE, mCuSeqlensK)  # unread stand-ins
+        self.launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mCuSeqlensK, split,
+                    (mQDescale, mKDescale, mVDescale), max_seqlen_q, softmax_scale, softcap, window_left,
+                    window_right, Int32(1), stream)

@@ -1,0 +1,101 @@
+"""TransposeV: V (batch, seqlen, heads, head_dim) -> V^T (batch, heads, head_dim, seqlen_padded),
+the layout the FP8 forward reads V in (launcher.transpose_v_fp8).
+
+FP8 WGMMA takes both operands K-major, and the K of O += P V is the key: V's tiles must be
+key-contiguous in shared memory. This kernel moves 1-byte elements, so it is memory-bound:
+each CTA stages a block of KEYS keys x head_dim through shared memory (rows in with 16-byte
+loads, one key's head-dim chunk per thread; columns out as 16 keys per thread and 16-byte
+store), which keeps both global sides in whole 16-byte accesses. A torch copy through a
+permuted view moved 8-bit elements one at a time: 229 us for 32 MiB on an H100, about a
+tenth of copy bandwidth (perf/NOTES.md, session 9).
+
+Shared rows are padded by 16 bytes: the column reads (16 keys of one head-dim row) then
+fall in one row per key for a whole warp, and the row writes stay 16-byte aligned.
+
+Packed variable-length batches (varlen) come out as a dense (batch, heads, head_dim,
+max_seqlen_padded) V^T, sequence b's keys from column 0 of entry b: TMA reads a box at a
+key coordinate only if its start is 16-byte aligned along the contiguous dim, which a
+packed sequence's offset need not be (an unaligned start raised "illegal instruction" on
+an H100). This costs batch x max_seqlen_k key columns instead of the total.
+
+Keys past seqlen are not loaded but written as zeros, up to the next multiple of 16 (the
+padded stride): in a dense V^T they are never read (the forward's tensor map stops at
+seqlen); in a varlen one they are the columns between a sequence's length and the longest,
+which the forward does read, and multiplies by P = 0: zeros keep that 0, garbage could be
+NaN.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from cute_attn.blocks.tile_scheduler import TileScheduler
+
+KEYS = 64  # keys per CTA: one 16-key column chunk per warp
+THREADS = 128
+CHUNK = 16  # bytes per global access
+
+
+class TransposeV:
+    def __init__(self, head_dim: int, varlen: bool):
+        assert head_dim % 32 == 0
+        self.head_dim = head_dim
+        self.varlen = varlen
+        self.pitch = head_dim + CHUNK
+        self.scheduler = TileScheduler(KEYS, varlen=False)  # blocks of V^T's key columns
+
+    @cute.jit
+    def __call__(
+        self,
+        mV: cute.Tensor,  # (batch, seqlen, heads, head_dim) uint8, head_dim contiguous; varlen: (1, total, ...)
+        mVt: cute.Tensor,  # (batch, heads, head_dim, seqlen_padded) uint8, contiguous
+        mCuSeqlensK: cute.Tensor,  # varlen: (batch + 1,) int32 (else unread)
+        stream,
+    ):
+        @cute.struct
+        class SharedStorage:
+            tile: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, KEYS * self.pitch], 16]
+
+        self.shared_storage = SharedStorage
+        # V^T as (keys, head_dim, heads, batch): the scheduler's row-major view
+        grid = self.scheduler.grid(cute.make_tensor(mVt.iterator, cute.select(mVt.layout, mode=[3, 2, 1, 0])),
+                                   mCuSeqlensK, Int32(0))
+        self.kernel(mV, mVt, mCuSeqlensK).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mV: cute.Tensor, mVt: cute.Tensor, mCuSeqlensK: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, head, b, _ = self.scheduler.tile()
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sT = storage.tile.get_tensor(cute.make_layout((KEYS, self.head_dim), stride=(self.pitch, 1)))
+        seqlen, padded = mV.shape[1], mVt.shape[3]
+        src_batch, offset = b, Int32(0)
+        if cutlass.const_expr(self.varlen):
+            src_batch, offset = Int32(0), mCuSeqlensK[b]
+            seqlen = mCuSeqlensK[b + 1] - offset
+        first = block * KEYS
+        per_key = self.head_dim // CHUNK
+        # rows in: consecutive threads read consecutive 16-byte chunks of a key's row
+        for j in cutlass.range_constexpr(KEYS * per_key // THREADS):
+            idx = tidx + j * THREADS
+            key, c = idx // per_key, idx % per_key
+            staged = cute.zipped_divide(sT[key, None], (CHUNK,))
+            if first + key < seqlen:
+                src = cute.zipped_divide(mV[src_batch, offset + first + key, head, None], (CHUNK,))
+                staged[None, c].store(src[None, c].load())
+            else:
+                # zeros, not garbage: a varlen sequence's columns past its length lie inside
+                # the dense V^T that TMA reads, and P = 0 times a NaN would still be NaN
+                zero = cute.make_rmem_tensor((CHUNK,), cutlass.Uint8)
+                zero.fill(0)
+                staged[None, c].store(zero.load())
+        cute.arch.sync_threads()
+        # columns out: warp w writes keys 16w .. 16w + 15 of 32 head-dim rows at a time
+        warp, lane = tidx // 32, tidx % 32
+        key0 = first + warp * CHUNK
+        if key0 < padded:
+            for r in cutlass.range_constexpr(self.head_dim // 32):
+                row = lane + 32 * r
+                column = cute.zipped_divide(sT[None, row], (CHUNK,))
+                dst = cute.zipped_divide(mVt[b, head, row, None], (CHUNK,))
+                dst[None, key0 // CHUNK].store(column[None, warp].load())

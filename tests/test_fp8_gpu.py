@@ -1,0 +1,174 @@
+"""The FP8 (e4m3) forward on the GPU (kernels/fwd_sm90.FlashFwdSm90Fp8), against
+
+- the fp32 reference (reference.attention_ref) on the dequantised inputs: the kernel's
+  RMSE may be at most 1.2x the RMSE of the e4m3 emulation (fp8.fp8_attention_emulated,
+  torch doing the kernel's quantised math in fp32, P rounded to e4m3 per KV block) plus
+  the output's own 16-bit rounding: FP8 costs what its roundings cost, nothing more;
+- the emulation itself, elementwise: a wrong permutation of P, a missing descale or a
+  mis-scaled P would move outputs by far more than a rounding flip of P.
+
+Inputs are fresh random normals (and outlier channels, x20 on a few columns, as the
+FlashAttention-3 paper tests), lengths not multiples of the tiles, outputs poisoned with
+NaN before the call."""
+
+import math
+
+import pytest
+import torch
+
+import cute_attn
+from cute_attn.config import fp8_fwd_config_for, attn_features
+from cute_attn.fp8 import dequantize, fp8_attention_emulated, quantize_fp8, rmse
+from cute_attn.reference import attention_ref
+from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401  (autouse)
+
+pytestmark = pytest.mark.gpu
+
+P_SCALE = 256.0  # fwd_sm90.FP8_P_LOG2_OFFSET = 8
+
+
+def _inputs(seed, b, sq, sk, h, h_kv, d, outliers=False, rotate=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, s, n, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+               for s, n in ((sq, h), (sk, h_kv), (sk, h_kv)))
+    if outliers:
+        cols = torch.randperm(d, generator=gen, device="cuda")[:4]
+        for t in (q, k, v):
+            t[..., cols] *= 20
+    return quantize_fp8(q, k, v, rotate=rotate)
+
+
+def _mask_kwargs(mask):
+    if mask == "causal":
+        return dict(causal=True)
+    if mask == "local":
+        return dict(window_size=(61, 17))
+    return {}
+
+
+def _check(q8, k8, v8, qd, kd, vd, *, mask="none", softcap=0.0, out_dtype=None, descales=True,
+           rmse_factor=1.2, elementwise=0.05):
+    kw = _mask_kwargs(mask)
+    b, sq, h, d = q8.shape
+    poison_allocator(b * sq * h * d * 2, b * h * sq * 4)
+    ds = dict(q_descale=qd, k_descale=kd, v_descale=vd) if descales else {}
+    out, lse = cute_attn.mha(q8, k8, v8, softcap=softcap, return_lse=True, out_dtype=out_dtype, **ds, **kw)
+    assert out.dtype == (out_dtype or torch.bfloat16) and out.shape == (b, sq, h, d)
+    assert lse.shape == (b, h, sq)
+    features = attn_features("causal" if mask == "causal" else mask, softcap > 0)
+    block_n = fp8_fwd_config_for(d, features).tile_n
+    emu_out, emu_lse = fp8_attention_emulated(q8, k8, v8, qd, kd, vd, softcap=softcap, p_scale=P_SCALE,
+                                              block_n=block_n, **kw)
+    ref_out, ref_lse = attention_ref(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd),
+                                     softcap=softcap, **kw)
+    assert not out.isnan().any() and not lse.isnan().any()
+    out32 = out.float()
+    # the output's own rounding: the emulation rounded to the kernel's output dtype
+    out_rounding = rmse(emu_out.to(out.dtype).float(), emu_out)
+    kernel_rmse, emu_rmse = rmse(out32, ref_out), rmse(emu_out, ref_out)
+    assert kernel_rmse <= rmse_factor * emu_rmse + out_rounding, (kernel_rmse, emu_rmse, out_rounding)
+    # elementwise against the emulation: a P rounding flip moves an output by at most one
+    # e4m3 step of one probability times |v|; allow a few per output, and 16-bit rounding
+    scale = ref_out.abs().amax().item() + 1e-6
+    err = (out32 - emu_out).abs().amax().item()
+    assert err <= elementwise * scale, (err, scale)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite] - emu_lse[finite]).abs().amax().item() <= 2e-3 * max(1.0, emu_lse[finite].abs().amax().item()) \
+        if finite.any() else True
+    return kernel_rmse, emu_rmse
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+def test_fp8_matches_emulation_and_reference(d, mask):
+    q8, k8, v8, qd, kd, vd = _inputs(d + len(mask), b=2, sq=333, sk=517, h=4, h_kv=4, d=d)
+    _check(q8, k8, v8, qd, kd, vd, mask=mask)
+
+
+@pytest.mark.parametrize("h,h_kv,sq", [(8, 2, 200), (32, 8, 1), (16, 2, 7)])
+def test_fp8_gqa_and_short_queries(h, h_kv, sq):
+    q8, k8, v8, qd, kd, vd = _inputs(h + sq, b=3, sq=sq, sk=1031, h=h, h_kv=h_kv, d=128)
+    _check(q8, k8, v8, qd, kd, vd, mask="causal")
+
+
+def test_fp8_softcap_fp16_out_and_descales_matter():
+    q8, k8, v8, qd, kd, vd = _inputs(5, b=2, sq=257, sk=300, h=4, h_kv=2, d=128)
+    _check(q8, k8, v8, qd, kd, vd, softcap=30.0, out_dtype=torch.float16)
+    # descales far from 1 in every slot: the kernel must apply them (a dropped one would
+    # change the scores' temperature or the output's magnitude by these factors)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    scaled = [d * (0.25 + 4 * torch.rand(d.shape, generator=gen, device="cuda")) for d in (qd, kd, vd)]
+    _check(q8, k8, v8, *scaled)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_fp8_outlier_channels(d, rotate, capsys):
+    """Outlier channels (x20 on 4 columns of q, k and v). Where q and k both have large
+    channels, the kernel's error exceeds the emulation's by more than the 1.2x of random
+    inputs: the FP8 tensor cores sum q k^T's products with fewer bits than the emulation's
+    float32 (outliers in q alone, or in v alone, measured 1.00-1.04x on an H100; in q and
+    k, 3.9-5.0x). The Hadamard rotation of quantize_fp8(rotate=True) spreads the outliers
+    and lowers both errors; measured 2.0-3.2x of the emulation with it (perf/NOTES.md,
+    session 9). Held to 4x (with rotation) and 6x (without), the measured bounds."""
+    q8, k8, v8, qd, kd, vd = _inputs(11, b=1, sq=1000, sk=1000, h=4, h_kv=4, d=d, outliers=True, rotate=rotate)
+    kernel_rmse, emu_rmse = _check(q8, k8, v8, qd, kd, vd, mask="causal", rmse_factor=4.0 if rotate else 6.0,
+                                   elementwise=0.25)
+    with capsys.disabled():
+        print(f"\nFP8 outliers hd {d} rotate={rotate}: kernel RMSE {kernel_rmse:.3e}, emulation {emu_rmse:.3e}, "
+              f"ratio {kernel_rmse / emu_rmse:.2f}")
+
+
+def test_fp8_rows_without_keys_are_zero_not_nan():
+    # causal with seqlen_q > seqlen_k: the first 100 queries see no key
+    q8, k8, v8, qd, kd, vd = _inputs(3, b=1, sq=300, sk=200, h=2, h_kv=2, d=64)
+    out, lse = cute_attn.mha(q8, k8, v8, causal=True, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out[:, :100], torch.zeros_like(out[:, :100]))
+    assert torch.isinf(lse[..., :100]).all() and (lse[..., :100] < 0).all()
+    _check(q8, k8, v8, qd, kd, vd, mask="causal")
+
+
+def test_fp8_without_descales_means_one():
+    # values of unit scale stored as e4m3 directly: descale 1 is their true scale (with
+    # amax-to-448 inputs and descale 1 the scores would be ~1e4 and the softmax an argmax)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q8, k8, v8 = (torch.randn(2, s, n, 128, generator=gen, device="cuda").to(torch.float8_e4m3fn)
+                  for s, n in ((130, 2), (129, 1), (129, 1)))
+    ones = torch.ones(2, 1, device="cuda")
+    _check(q8, k8, v8, ones, ones, ones, descales=False)
+
+
+def test_fp8_varlen():
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    lens_q, lens_k = [17, 0, 300, 129], [40, 5, 290, 700]
+    h, h_kv, d = 4, 2, 128
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    per_seq = [quantize_fp8(*(torch.randn(1, s, n, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+                              for s, n in ((sq, h), (sk, h_kv), (sk, h_kv))))
+               for sq, sk in zip(lens_q, lens_k)]
+    q8, k8, v8 = (torch.cat([p[i][0] for p in per_seq]) for i in range(3))
+    qd, kd, vd = (torch.cat([p[i] for p in per_seq]) for i in range(3, 6))
+    out, lse = cute_attn.mha_varlen(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                    return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    for b, p in enumerate(per_seq):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        if lens_q[b] == 0:
+            continue
+        emu_out, emu_lse = fp8_attention_emulated(*p, causal=True, p_scale=P_SCALE, block_n=128)
+        ref_out, _ = attention_ref(*(dequantize(x, s) for x, s in zip(p[:3], p[3:])), causal=True)
+        got = out[rows].float()[None]
+        assert rmse(got, ref_out) <= 1.2 * rmse(emu_out, ref_out) + rmse(emu_out.bfloat16().float(), emu_out)
+        assert (got - emu_out).abs().amax().item() <= 0.05 * (ref_out.abs().amax().item() + 1e-6)
+        assert torch.allclose(lse[:, rows], emu_lse[0], atol=2e-3, rtol=1e-3)
+
+
+def test_fp8_long_sequence_accuracy_report(capsys):
+    """16K keys (the benchmark's length): the accumulators run over 128 KV blocks, where
+    reduced-precision FP8 accumulation would show; prints the RMSE table row."""
+    q8, k8, v8, qd, kd, vd = _inputs(2, b=1, sq=512, sk=16384, h=2, h_kv=2, d=128)
+    kernel_rmse, emu_rmse = _check(q8, k8, v8, qd, kd, vd)
+    with capsys.disabled():
+        print(f"\nFP8 16K keys: kernel RMSE {kernel_rmse:.3e}, emulation RMSE {emu_rmse:.3e}")
+    assert math.isfinite(kernel_rmse)
