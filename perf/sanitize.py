@@ -104,6 +104,12 @@ CASES = (
     # a paged cache, 16-key pages (8 TMA boxes per KV block) in a permuted page table
     Case("kvcache-paged16", batch=3, seqlen_q=2, seqlen_k=704, nheads=8, nheads_kv=2,
          causal=True, backward=False, kvcache=True, num_splits=2, page_size=16),
+    # FP8 forward (e4m3 in, bf16 out, random descales) and its V transpose kernel
+    Case("fp8-causal-gqa", dtype="fp8", nheads=4, nheads_kv=2, causal=True, backward=False),
+    Case("fp8-hd256-window-softcap", dtype="fp8", head_dim=256, window_size=(64, 32), softcap=30.0,
+         backward=False),
+    Case("fp8-varlen-causal", dtype="fp8", nheads=4, nheads_kv=2, causal=True, backward=False,
+         lengths=((0, 40), (150, 200), (277, 129))),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -170,7 +176,8 @@ def run_case(case):
 
     import cute_attn
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
+    fp8 = case.dtype == "fp8"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[case.dtype]
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):
@@ -190,7 +197,14 @@ def run_case(case):
         total_k = sum(lk for _, lk in case.lengths)
         q, k, v = randn(total_q, h, d), randn(total_k, hk, d), randn(total_k, hk, d)
     tensors = (q, k, v)
-    poison_next_outputs(q)
+    if fp8:
+        # before the poisoning: these allocations could take the poisoned blocks
+        batch = case.batch if case.lengths is None else len(case.lengths)
+        tensors = tuple(t.to(torch.float8_e4m3fn) for t in tensors)
+        kwargs.update({name: 0.5 + torch.rand(batch, hk, device="cuda", generator=gen)
+                       for name in ("q_descale", "k_descale", "v_descale")})
+        del kwargs["deterministic"]
+    poison_next_outputs(q)  # FP8 too: out is bf16 like this q, so the same sizes
     if case.backward:
         tensors = tuple(t.requires_grad_() for t in tensors)
     if case.lengths is None:
