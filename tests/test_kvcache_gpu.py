@@ -54,6 +54,17 @@ CASES = [
 ]
 
 
+def _assert_close_to_reference(out, lse, ref_out, ref_lse, low, kw):
+    """out within twice the error of the same-precision torch computation (low) against
+    the fp32 reference; lse's -inf rows exactly those of the reference, the rest close."""
+    err = (out.float() - ref_out).abs().max().item()
+    err_torch = (low.float() - ref_out).abs().max().item()
+    assert err <= 2 * err_torch + 1e-5, (err, err_torch)
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (lse[~empty] - ref_lse[~empty]).abs().max().item() <= 1e-3 + 2 * kw.get("softcap", 0.0) * 2 ** -11
+
+
 @pytest.mark.parametrize("num_splits", [0, 1, 5])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}q{c[1]}cap{c[2]}h{c[3]}kv{c[4]}d{c[5]}new{c[6]}")
 def test_matches_reference_and_appends(case, num_splits):
@@ -67,12 +78,7 @@ def test_matches_reference_and_appends(case, num_splits):
     assert torch.equal(k_cache, k_after) and torch.equal(v_cache, v_after)
     assert out.shape == q.shape and not out.isnan().any() and not lse.isnan().any()
     low = _reference_low(q, k_after, v_after, lengths, new, **kw)
-    err = (out.float() - ref_out).abs().max().item()
-    err_torch = (low.float() - ref_out).abs().max().item()
-    assert err <= 2 * err_torch + 1e-5, (err, err_torch)
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty)
-    assert (lse[~empty] - ref_lse[~empty]).abs().max().item() <= 1e-3 + 2 * kw.get("softcap", 0.0) * 2 ** -11
+    _assert_close_to_reference(out, lse, ref_out, ref_lse, low, kw)
 
 
 def test_empty_cache_and_no_new_tokens_give_zero_rows():
@@ -195,12 +201,7 @@ def test_paged_matches_reference_and_appends(case, page_size):
                                           return_lse=True, **kw)
     assert torch.equal(pages_k, k_after) and torch.equal(pages_v, v_after)
     assert out.shape == q.shape and not out.isnan().any() and not lse.isnan().any()
-    err = (out.float() - ref_out).abs().max().item()
-    err_torch = (low.float() - ref_out).abs().max().item()
-    assert err <= 2 * err_torch + 1e-5, (err, err_torch)
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty)
-    assert (lse[~empty] - ref_lse[~empty]).abs().max().item() <= 1e-3 + 2 * kw.get("softcap", 0.0) * 2 ** -11
+    _assert_close_to_reference(out, lse, ref_out, ref_lse, low, kw)
 
 
 def test_paged_bad_page_index_is_rejected_or_reads_nothing_outside():
