@@ -11,6 +11,7 @@ are logged at INFO on the "cute_attn" logger.
 
 from cute_attn import reference
 from cute_attn.api import mha, mha_varlen
+from cute_attn.block_mask import BlockMask, create_block_mask
 from cute_attn.compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, sdpa
 from cute_attn.fp8 import quantize_fp8
 from cute_attn.kvcache import mha_with_kvcache
@@ -19,5 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "mha", "mha_varlen", "mha_with_kvcache", "flash_attn_func", "flash_attn_with_kvcache", "flash_attn_varlen_func", "sdpa", "reference",
     "quantize_fp8",
+    "BlockMask",
+    "create_block_mask",
     "__version__",
 ]

@@ -48,7 +48,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         softmax_scale: Optional[float] = None, window_size: tuple[int, int] = _NO_WINDOW,
         softcap: float = 0.0, return_lse: bool = False,
         deterministic: bool = False, q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
-        v_descale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Union[Tensor, _TensorPair]:
+        v_descale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+        mask_mod=None, score_mod=None, aux_tensors=(), block_mask=None) -> Union[Tensor, _TensorPair]:
     """Multi-head attention on an sm_90 (Hopper) GPU, differentiable.
 
     Args:
@@ -84,6 +85,16 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             descale (q's per KV head: the query heads of a GQA group share one). None
             means 1. The FP8 forward has no backward.
         out_dtype: FP8 only: torch.bfloat16 (None) or torch.float16.
+        mask_mod, score_mod: programmable masks and score modifications (cute_attn.masks
+            has the contract and built-ins: block_diffusion, prefix_lm, document, causal,
+            sliding_window, alibi), compiled into the forward kernel: a new mod function
+            compiles once, new lengths or aux values never recompile. A mod replaces
+            causal / window_size / softcap (write them as mods: masks.causal(),
+            masks.and_masks(...)). Forward only for now (no autograd), dense batches.
+        aux_tensors: tensors a plain-function mod reads as seq.aux[i] (the built-ins
+            carry their own); on q's device.
+        block_mask: cute_attn.create_block_mask(mask_mod, ...) for this shape, built
+            once and reused; None builds one per (mask, shape) on the GPU and caches it.
 
     Returns:
         out, shaped and typed like q (same stride order), or (out, lse) with lse
@@ -112,8 +123,50 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         raise ValueError("out_dtype is for FP8 inputs; a 16-bit call returns q's dtype")
     no_kernel = validate_fwd_inputs(q, k, v, softmax_scale, softcap)
     scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
+    if mask_mod is not None or score_mod is not None or block_mask is not None or aux_tensors:
+        return _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask,
+                         return_lse, no_kernel)
     features, run_args = _features_and_args(causal, window, softcap, scale)
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
+
+
+def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask, return_lse,
+              no_kernel):
+    """The forward with mask/score mods (kernels/fwd_sm90.FlashFwdSm90Mods)."""
+    from cute_attn.masks import Modifier
+
+    if causal or window != _NO_WINDOW or softcap != 0.0:
+        raise ValueError("mask_mod/score_mod replace causal, window_size and softcap: write them as mods "
+                         "(cute_attn.masks.causal(), sliding_window(), and_masks(...))")
+    if mask_mod is None and score_mod is None:
+        raise ValueError("aux_tensors and block_mask go with a mask_mod or score_mod")
+    if not isinstance(aux_tensors, (tuple, list)):
+        raise TypeError(f"aux_tensors must be a tuple or list of tensors, got {type(aux_tensors).__name__}")
+    # aux_tensors belong to the one plain-function mod (a Modifier carries its own)
+    plain = [m for m in (mask_mod, score_mod) if m is not None and not isinstance(m, Modifier)]
+    if aux_tensors and len(plain) != 1:
+        raise ValueError("aux_tensors goes with exactly one plain-function mod; bind tensors to a function with "
+                         "cute_attn.masks.Modifier('mask' | 'score', fn, aux)")
+    mask = Modifier.of("mask", mask_mod, aux_tensors if plain and plain[0] is mask_mod else ())
+    score = Modifier.of("score", score_mod, aux_tensors if plain and plain[0] is score_mod else ())
+    if block_mask is not None and mask is None:
+        raise ValueError("block_mask goes with a mask_mod")
+    for mod in (mask, score):
+        for i, t in enumerate(() if mod is None else mod.aux):
+            if t.device != q.device:
+                raise ValueError(f"{mod.name}'s aux tensor {i} is on {t.device}, q on {q.device}")
+    features = AttnFeatures(mask_mod=None if mask is None else mask.spec, score_mod=None if score is None else score.spec)
+    if _traced(q):
+        raise NotImplementedError("mask/score mods have no torch.compile op yet: call mha eagerly")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("the backward with mask/score mods is not implemented yet: call the forward "
+                                  "under torch.no_grad() or with inputs that do not require grad")
+    if no_kernel:
+        out, lse = _outputs_without_kernel(q, features)
+    else:
+        out, lse = _launcher().run_fwd_mods(q, k, v, features, RunArgs(scale), mask, score, block_mask,
+                                            need_lse=return_lse)
+    return (out, lse) if return_lse else out
 
 
 @overload

@@ -43,12 +43,24 @@ class AttnFeatures:
     # dense batch whose entries use only their first seqlens_k[b] keys (a KV cache's
     # filled length): an int32 (batch,) device tensor in the kernels' cu_seqlens_k slot
     kv_lengths: bool = False
+    # programmable masks (masks.py): the mods' static parts (masks.ModSpec), compiled into
+    # the kernel; their aux tensors and the block mask are run-time arguments. A mask mod
+    # replaces the mask kind (which stays "none": causal is masks.causal())
+    mask_mod: Optional[object] = None
+    score_mod: Optional[object] = None
 
     def __post_init__(self):
         if self.mask not in MASK_KINDS:
             raise ValueError(f"mask must be one of {MASK_KINDS}, got {self.mask!r}")
         if self.kv_lengths and self.varlen:
             raise ValueError("kv_lengths is for dense (batch, seqlen) caches, not packed varlen batches")
+        if self.has_mods and (self.mask != "none" or self.softcap or self.kv_lengths):
+            raise ValueError("mask/score mods take the place of the mask kind and the softcap (write them as "
+                             "mods), and are not for KV caches")
+
+    @property
+    def has_mods(self) -> bool:
+        return self.mask_mod is not None or self.score_mod is not None
 
     @property
     def causal_like(self) -> bool:
@@ -305,7 +317,17 @@ def paged_tile_n(tile_n: int, page_size: int) -> int:
     return 64
 
 
+def mod_fwd_config_for(head_dim: int) -> FwdConfig:
+    """The forward's tiles with mask/score mods (the block mask is built at these): two
+    consumer warpgroups at every head dim, so a mod's per-element work has the 240-register
+    budget (three warpgroups get 160), and the head dim's KV block of _fwd_tile_config."""
+    tile_n = 128 if head_dim <= 128 else 96 if head_dim <= 192 else 80
+    return FwdConfig(tile_m=128, tile_n=tile_n, num_stages=2)
+
+
 def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
+    if features.has_mods:
+        return mod_fwd_config_for(head_dim)
     if head_dim <= 64:
         if features.local:
             # three consumer warpgroups have 160 registers each: the window's two-sided
@@ -328,7 +350,7 @@ def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
 
 def pack_gqa_for(head_dim: int, features: AttnFeatures, seqlen_q: int, group: int) -> int:
     """The pack_gqa of a call with this query length and GQA group (see choose_pack_gqa)."""
-    if group == 1 or features.varlen:
+    if group == 1 or features.varlen or features.has_mods:  # a mod sees one query head per row
         return 1
     return choose_pack_gqa(seqlen_q, group, fwd_config_for(head_dim, features).tile_m, False)
 

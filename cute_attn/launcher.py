@@ -127,6 +127,8 @@ def _fake_fwd_args(key: FwdKey):
     n, d = _Symbols(), key.head_dim
     if DTYPES[key.dtype].input.itemsize == 1:
         return _fake_fp8_fwd_args(key, n)
+    if key.features.has_mods:
+        return _fake_mod_fwd_args(key, n)
     q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
     # a paged cache's batch mode counts pages, not the queries' entries
     kv_batch = cute.sym_int32(symbol="num_pages") if key.config.page_size else n.batch
@@ -173,6 +175,51 @@ def _fake_fp8_fwd_args(key: FwdKey, n: "_Symbols"):
             *_fake_run_args(), _fake_stream())
 
 
+def _fake_mod_fwd_args(key: FwdKey, n: "_Symbols"):
+    """FlashFwdSm90Mods's arguments: the dense forward's tensors, the block mask's four
+    int32 lists (any strides: a mask that ignores the batch or head is expanded with
+    stride 0) and the mods' aux tensors (the dtype and rank each mod was keyed with;
+    one int32 stand-in when there are none)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    d = key.head_dim
+    q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
+    k, v = (_fake_bshd(key.dtype, n.batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
+    o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o")
+    lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
+    tiles_m, tiles_n = cute.sym_int32(symbol="tiles_m"), cute.sym_int32(symbol="tiles_n")
+
+    def any_strides(dtype, shape, name, align=4):
+        strides = tuple(cute.sym_int64(symbol=f"{name}_stride{i}") for i in range(len(shape)))
+        return cute.runtime.make_fake_tensor(dtype, shape, stride=strides, assumed_align=align)
+
+    lists = (any_strides(cutlass.Int32, (n.batch, n.heads, tiles_m), "partial_count"),
+             any_strides(cutlass.Int32, (n.batch, n.heads, tiles_m, tiles_n), "partial_idx"),
+             any_strides(cutlass.Int32, (n.batch, n.heads, tiles_m), "full_count"),
+             any_strides(cutlass.Int32, (n.batch, n.heads, tiles_m, tiles_n), "full_idx"))
+    signature = [sig for mod in (key.features.mask_mod, key.features.score_mod) if mod is not None
+                 for sig in mod.aux_signature] or [(torch.int32, 1)]
+    aux = tuple(
+        any_strides(getattr(cutlass, _dsl_type_name(dtype)), tuple(cute.sym_int32(symbol=f"aux{i}_dim{j}")
+                                                              for j in range(ndim)), f"aux{i}", dtype.itemsize)
+        for i, (dtype, ndim) in enumerate(signature)
+    )
+    return (q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), *lists, aux,
+            cutlass.Int32(0), cutlass.Float32(1.0), _fake_stream())
+
+
+_AUX_DSL_TYPES = {torch.int32: "Int32", torch.int64: "Int64", torch.int16: "Int16", torch.int8: "Int8",
+                  torch.uint8: "Uint8", torch.bool: "Boolean", torch.float32: "Float32", torch.float16: "Float16",
+                  torch.bfloat16: "BFloat16"}
+
+
+def _dsl_type_name(dtype) -> str:
+    if dtype not in _AUX_DSL_TYPES:
+        raise TypeError(f"aux tensors of dtype {dtype} are not supported (use one of {list(_AUX_DSL_TYPES)})")
+    return _AUX_DSL_TYPES[dtype]
+
+
 def _compile(kernel, fake_args, extra_options: str, key):
     """cute.compile for the key's arch, named explicitly (--gpu-arch): the DSL reads
     CUTE_DSL_ARCH once, when cutlass is first imported, and without it detects the GPU
@@ -198,11 +245,16 @@ def compile_fwd(key: FwdKey, extra_options: str = ""):
     paged specialisation). Split-KV: f(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     page_table, o_part, lse_part, tile_counters, max_seqlen_q, softmax_scale, softcap,
     window_left, window_right, num_splits)."""
-    from cute_attn.kernels.fwd_sm90 import FlashFwdSm90, FlashFwdSm90Fp8, FlashFwdSm90SplitKV
+    from cute_attn.kernels.fwd_sm90 import FlashFwdSm90, FlashFwdSm90Fp8, FlashFwdSm90Mods, FlashFwdSm90SplitKV
 
     fp8 = DTYPES[key.dtype].input.itemsize == 1
     _check_capability("fwd_fp8" if fp8 else "fwd", key)
-    cls = FlashFwdSm90Fp8 if fp8 else FlashFwdSm90SplitKV if key.config.split_kv else FlashFwdSm90
+    if fp8:
+        cls = FlashFwdSm90Fp8
+    elif key.features.has_mods:
+        cls = FlashFwdSm90Mods
+    else:
+        cls = FlashFwdSm90SplitKV if key.config.split_kv else FlashFwdSm90
     kernel = cls(DTYPES[key.dtype], key.head_dim, key.features, key.config)
     return _compile(kernel, _fake_fwd_args(key), extra_options, key)
 
@@ -413,6 +465,42 @@ def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs
     window_left, window_right = args.window
     fn(q4, k4, vt4, out4, lse3, cu_q, cu_k, *scales, args.max_seqlen_q, args.softmax_scale, args.softcap,
        window_left, window_right)
+    return out, (lse if need_lse else None)
+
+
+# ----------------------------------------------------------------------------------------
+# Mask and score mods (kernels/fwd_sm90.FlashFwdSm90Mods)
+# ----------------------------------------------------------------------------------------
+
+
+def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score_mod, block_mask=None,
+                 need_lse: bool = True):
+    """The forward with mods on validated dense inputs: mask_mod, score_mod masks.Modifier
+    or None (their specs are features'), block_mask a block_mask.BlockMask for mask_mod
+    at this shape (None: built once per (mask, shape) and cached). Returns (out, lse)."""
+    from cute_attn import block_mask as bm
+    from cute_attn.config import mod_fwd_config_for
+
+    head_dim = q.shape[-1]
+    config = mod_fwd_config_for(head_dim)
+    fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config))
+    batch, seqlen_q, heads = q.shape[:3]
+    seqlen_k = k.shape[1]
+    if mask_mod is not None:
+        if block_mask is None:
+            block_mask = bm.cached_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, config.tile_m,
+                                              config.tile_n, q.device)
+        else:
+            bm.check_block_mask(block_mask, mask_mod, batch, heads, seqlen_q, seqlen_k, config.tile_m, config.tile_n)
+        lists = block_mask.kernel_tensors()
+    else:
+        unused = torch.zeros((1, 1, 1, 1), dtype=torch.int32, device=q.device)
+        lists = (unused[..., 0].expand(batch, heads, 1), unused.expand(batch, heads, 1, 1)) * 2
+    aux = tuple(t for mod in (mask_mod, score_mod) if mod is not None for t in mod.aux)
+    aux = aux or (_unused_cu_seqlens(q.device),)
+    out, lse = _outputs(q, features, need_lse)
+    unused = _unused_cu_seqlens(q.device)
+    fn(q, k, v, out, lse, unused, unused, *lists, aux, 0, args.softmax_scale)
     return out, (lse if need_lse else None)
 
 

@@ -21,44 +21,57 @@ from typing import NamedTuple
 
 import torch
 
+from cute_attn.masks import Modifier, SeqInfo
 from cute_attn.validation import validate_gqa_heads
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # block_mask classes
 
 
-def index_grids(batch, heads, seqlen_q, seqlen_k, device=None):
+def index_grids(batch, heads, seqlen_q, seqlen_k, device=None, offset_q=0, offset_k=0):
     """The broadcast index tensors (b, h, q_idx, kv_idx) of shapes (B,1,1,1), (1,H,1,1),
-    (1,1,Q,1), (1,1,1,K), int64: what mask and score mods are called with."""
+    (1,1,Q,1), (1,1,1,K), int64: what mask and score mods are called with. The offsets
+    make the indices global (a packed sequence's first token in the packed batch)."""
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    q_idx = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
-    kv_idx = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    q_idx = torch.arange(offset_q, offset_q + seqlen_q, device=device).view(1, 1, -1, 1)
+    kv_idx = torch.arange(offset_k, offset_k + seqlen_k, device=device).view(1, 1, 1, -1)
     return b, h, q_idx, kv_idx
 
 
-def dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device=None):
+def seq_info(mod: Modifier, seqlen_q, seqlen_k, offset_q=0, offset_k=0, device=None) -> SeqInfo:
+    """The SeqInfo a reference call passes: the mod's aux tensors (on device) and the
+    entry's lengths and offsets."""
+    aux = tuple(t.to(device) for t in mod.aux) if device is not None else mod.aux
+    return SeqInfo(aux, seqlen_q, seqlen_k, offset_q, offset_k)
+
+
+def dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device=None, offset_q=0, offset_k=0):
     """Bool (batch, heads, seqlen_q, seqlen_k): mask_mod evaluated on every index tuple.
 
-    The mod is called once with broadcast index tensors (index_grids); its result is
-    expanded to the full shape (a mod that ignores b or h may return fewer dims).
+    mask_mod: a masks.Modifier or a plain (b, h, q_idx, kv_idx[, seq]) function. It is
+    called once with broadcast index tensors (index_grids); its result is expanded to
+    the full shape (a mod that ignores b or h may return fewer dims).
     """
-    visible = mask_mod(*index_grids(batch, heads, seqlen_q, seqlen_k, device))
+    mod = Modifier.of("mask", mask_mod)
+    grids = index_grids(batch, heads, seqlen_q, seqlen_k, device, offset_q, offset_k)
+    visible = mod(*grids, seq=seq_info(mod, seqlen_q, seqlen_k, offset_q, offset_k, device))
     if not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool:
         raise TypeError(
-            f"mask_mod {getattr(mask_mod, '__name__', mask_mod)!r} must return a bool tensor, "
+            f"mask_mod {mod.name!r} must return a bool tensor, "
             f"got {getattr(visible, 'dtype', type(visible).__name__)}"
         )
     return visible.expand(batch, heads, seqlen_q, seqlen_k).contiguous()
 
 
-def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=None):
+def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=None, offset_q=0, offset_k=0):
     """Return (out, lse) of softmax(mask(score_mod(scale * q k^T))) v in float32.
 
     As in FlexAttention, score_mod sees the scaled score and the indices (query head h);
     then keys the mask_mod hides get -inf. GQA: query head h reads KV head
     h // (heads // heads_kv). A query that sees no key (masked out, or every visible
     score -inf) gets out = 0 and lse = -inf, and autograd gives it finite, zero
-    gradients: nothing on the way is exp(-inf - -inf), log(0) or 0 / 0.
+    gradients: nothing on the way is exp(-inf - -inf), log(0) or 0 / 0. offset_q,
+    offset_k: the entry's place in a packed batch (the mods see global indices).
     """
     batch, sq, heads, d = q.shape
     sk = k.shape[1]
@@ -71,9 +84,11 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
 
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if score_mod is not None:
-        scores = score_mod(scores, *index_grids(batch, heads, sq, sk, q.device))
+        mod = Modifier.of("score", score_mod)
+        grids = index_grids(batch, heads, sq, sk, q.device, offset_q, offset_k)
+        scores = mod(scores, *grids, seq=seq_info(mod, sq, sk, offset_q, offset_k, q.device))
     if mask_mod is not None:
-        visible = dense_mask(mask_mod, batch, heads, sq, sk, q.device)
+        visible = dense_mask(mask_mod, batch, heads, sq, sk, q.device, offset_q, offset_k)
         scores = scores.masked_fill(~visible, float("-inf"))
 
     # Softmax with a shift by the row max, which does not change its value (hence

@@ -1,54 +1,212 @@
 """Programmable masks and score modifications, FlexAttention style (issue 14).
 
-The kernels today know three fixed mask kinds (config.MASK_KINDS). Models need more:
-block diffusion (BD3LM), prefix-LM, packed documents, ALiBi... FlexAttention's answer is
-to let the caller describe the mask as a function of the indices and compile it into the
-kernel. This module holds that vocabulary, as plain Python/torch functions:
+The kernels know three fixed mask kinds (config.MASK_KINDS). Models need more: block
+diffusion (BD3LM), prefix-LM, packed documents, ALiBi... FlexAttention's answer is to let
+the caller describe the mask as a function of the indices and compile it into the kernel.
+This module holds that vocabulary:
 
-- a *mask mod* is ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``: may query q_idx of
-  batch entry b, head h, see key kv_idx? (True = visible);
-- a *score mod* is ``score_mod(score, b, h, q_idx, kv_idx) -> score``: rewrites the
-  scaled score (softmax_scale * q.k) before masking and the softmax.
+- a *mask mod* ``mask_mod(b, h, q_idx, kv_idx[, seq]) -> bool``: may query q_idx of batch
+  entry b, query head h, see key kv_idx? (True = visible);
+- a *score mod* ``score_mod(score, b, h, q_idx, kv_idx[, seq]) -> score``: rewrites the
+  scaled score (softmax_scale * q.k) before the mask and the softmax.
 
-The index arguments are integer tensors that broadcast against each other (on the CPU
-reference, mask_reference.dense_mask passes shapes (B,1,1,1), (1,H,1,1), (1,1,Q,1),
-(1,1,1,K)); the result only has to broadcast to their common shape. The bodies use only
-elementwise torch operations (comparisons, integer arithmetic, &, |, ~, torch.where) and
-indexing a captured tensor by an index (doc_ids[b, q_idx]), so that the same function can
-later be traced by the CuTe DSL with scalar Int32 indices in place of the tensors: no
-Python control flow on index values, no reductions, no shape-dependent code.
+The optional last argument ``seq`` (a SeqInfo) carries what a mod may read besides the
+indices: ``seq.aux``, the auxiliary tensors given with the mod (document ids, prefix
+lengths, ALiBi slopes), and the entry's ``seqlen_q``, ``seqlen_k``, ``offset_q``,
+``offset_k``. Indices are global: with packed (varlen) batches q_idx = offset_q + the
+position in the sequence (likewise kv_idx), so an aux tensor laid out like the packed
+tokens is indexed directly; dense batches have offsets 0. Lengths are run-time values,
+so a mod that reads them (causal, block_diffusion) never recompiles per length.
 
-The built-ins return closures; the values they capture (block size, prefix lengths,
-document ids, slopes) are what a kernel would receive as run-time arguments or auxiliary
-tensors. mask_reference.py turns a mask mod into dense masks, reference attention and
-tile-level block masks; tests/test_masks_cpu.py checks each built-in against a loop.
+One function body serves two callers. The reference (mask_reference.py) and the block-mask
+builder (block_mask.py) call it with broadcasting int64 torch tensors and torch aux
+tensors; the kernels call it with scalar Int32 indices and CuTe tensors while the DSL
+traces the kernel. So a body uses only what both understand: comparisons, integer
+arithmetic (+ - * // %), & | ~ on the booleans, indexing an aux tensor by indices
+(``seq.aux[0][b, q_idx]``), and ``as_float`` to turn an integer into a float. No Python
+``if`` on index values, no torch-only calls. Python values captured by the closure (a
+block size, a window) are compile-time constants: they go into the kernel's cache key.
+
+A ``Modifier`` binds a function to its aux tensors; the built-ins below return one, and
+``Modifier.of`` wraps a plain function (with ``aux_tensors``) the same way.
 """
+
+import hashlib
+import inspect
+import types
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from cute_attn.validation import validate_window_size
 
 
-def _all_visible(q_idx, kv_idx):
-    """A bool tensor of True in the broadcast shape of the two index tensors."""
-    return (q_idx - kv_idx) == (q_idx - kv_idx)
+class SeqInfo(NamedTuple):
+    """What a mod may read besides the indices (ints and torch tensors in the reference,
+    Int32 and CuTe tensors in a kernel)."""
+
+    aux: tuple = ()
+    seqlen_q: object = 0
+    seqlen_k: object = 0
+    offset_q: object = 0
+    offset_k: object = 0
 
 
-def _named(fn, name):
-    """Give a closure a readable name (shows up in reprs, errors and, later, cache keys)."""
-    fn.__name__ = fn.__qualname__ = name
-    return fn
+def as_float(x):
+    """An integer index expression as float32, in torch and in a kernel alike."""
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.float32)
+    from cutlass import Float32
+
+    return Float32(x)
 
 
-def _diagonal_shift(seqlen_q, seqlen_k):
-    """seqlen_k - seqlen_q (FlashAttention's bottom-right alignment), 0 when neither is given."""
-    if (seqlen_q is None) != (seqlen_k is None):
-        raise ValueError("give both seqlen_q and seqlen_k, or neither (then they are equal)")
-    if seqlen_q is None:
-        return 0
-    if seqlen_q < 0 or seqlen_k < 0:
-        raise ValueError(f"sequence lengths must be >= 0, got {seqlen_q}, {seqlen_k}")
-    return int(seqlen_k) - int(seqlen_q)
+def _identity(value, where: str):
+    """A hashable, process-independent stand-in for a value a mod's closure captures."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_identity(v, where) for v in value)
+    if isinstance(value, Modifier):
+        return value.key
+    if isinstance(value, types.FunctionType):
+        return _function_identity(value)
+    if isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{where} captures a torch tensor; a kernel cannot read it from Python: pass it "
+            "as an aux tensor (aux_tensors=...) and read it as seq.aux[i]"
+        )
+    raise TypeError(f"{where} captures a {type(value).__name__}; only Python scalars, tuples and functions can be "
+                    "compiled into a kernel")
+
+
+def _code_identity(code):
+    """A code object by its bytecode, constants (nested code objects recursively: their
+    repr holds an address) and names: stable across processes."""
+    consts = tuple(_code_identity(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return (code.co_code, consts, code.co_names)
+
+
+def _function_identity(fn):
+    """The function's code and its captured values: two closures of one body with other
+    constants (block sizes, windows) are different kernels."""
+    cells = tuple(_identity(c.cell_contents, fn.__qualname__) for c in fn.__closure__ or ())
+    return (fn.__module__, fn.__qualname__, _code_identity(fn.__code__), cells)
+
+
+class ModSpec:
+    """A mod's static part, what a compiled kernel is specialised on: the body, whether
+    it takes seq, and its key (code, captured constants, the aux tensors' dtypes and
+    ranks). Equal keys are the same kernel."""
+
+    def __init__(self, kind: str, fn: Callable, takes_seq: bool, name: str, key: tuple, aux_signature: tuple):
+        self.kind, self.fn, self.takes_seq, self.name, self.key = kind, fn, takes_seq, name, key
+        self.aux_signature = aux_signature  # ((torch dtype, ndim), ...) of the aux tensors
+        # names the kernel in compile_cache's on-disk key (which hashes the key's repr)
+        self.digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+
+    def __call__(self, *args, seq: SeqInfo):
+        return self.fn(*args, seq) if self.takes_seq else self.fn(*args)
+
+    def __eq__(self, other):
+        return isinstance(other, ModSpec) and other.key == self.key
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __repr__(self):
+        return f"ModSpec({self.kind}, {self.name}, {self.digest})"
+
+
+class Modifier:
+    """A mask or score mod with the aux tensors it reads.
+
+    kind: "mask" or "score". fn: the body (see the module docstring), taking ``seq`` last
+    or not. spec: its static part (ModSpec), what a compiled kernel is cached by; the aux
+    tensors' values are run-time arguments of the kernel.
+    """
+
+    def __init__(self, kind: str, fn: Callable, aux: Sequence[torch.Tensor] = (), name: Optional[str] = None):
+        if kind not in ("mask", "score"):
+            raise ValueError(f"kind must be 'mask' or 'score', got {kind!r}")
+        if not callable(fn):
+            raise TypeError(f"a {kind} mod must be callable, got {type(fn).__name__}")
+        index_args = 4 if kind == "mask" else 5
+        try:
+            params = [p for p in inspect.signature(fn).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            params = []
+        if len(params) not in (index_args, index_args + 1):
+            what = "(b, h, q_idx, kv_idx[, seq])" if kind == "mask" else "(score, b, h, q_idx, kv_idx[, seq])"
+            raise TypeError(f"a {kind} mod takes {what}, got {getattr(fn, '__name__', fn)} with {len(params)} "
+                            "positional parameters")
+        self.kind = kind
+        self.fn = fn
+        self.takes_seq = len(params) == index_args + 1
+        self.aux = tuple(aux)
+        for i, t in enumerate(self.aux):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"aux tensor {i} must be a torch.Tensor, got {type(t).__name__}")
+        if self.aux and not self.takes_seq:
+            raise TypeError(f"{getattr(fn, '__name__', fn)} has aux tensors but no seq parameter to read them")
+        self.name = name or getattr(fn, "__name__", kind + "_mod")
+        self._spec = None
+
+    @property
+    def spec(self) -> ModSpec:
+        """Computed on first use (a captured tensor raises here, telling to use aux)."""
+        if self._spec is None:
+            fn = self.fn
+            body = _function_identity(fn) if isinstance(fn, types.FunctionType) else (type(fn).__qualname__,)
+            aux_signature = tuple((t.dtype, t.dim()) for t in self.aux)
+            key = (self.kind, self.name, body, aux_signature)
+            self._spec = ModSpec(self.kind, fn, self.takes_seq, self.name, key, aux_signature)
+        return self._spec
+
+    @property
+    def key(self) -> tuple:
+        return self.spec.key
+
+    @staticmethod
+    def of(kind: str, mod, aux_tensors: Sequence[torch.Tensor] = ()) -> Optional["Modifier"]:
+        """mod as a Modifier: None stays None, a Modifier is taken as is (aux_tensors then
+        must be empty: it carries its own), a function is bound to aux_tensors."""
+        if mod is None:
+            return None
+        if isinstance(mod, Modifier):
+            if mod.kind != kind:
+                raise TypeError(f"expected a {kind} mod, got a {mod.kind} mod ({mod.name})")
+            if aux_tensors:
+                raise ValueError(f"{mod.name} carries its own aux tensors; aux_tensors is for plain functions")
+            return mod
+        return Modifier(kind, mod, aux_tensors)
+
+    def __call__(self, *args, seq: Optional[SeqInfo] = None):
+        """The body on (b, h, q_idx, kv_idx) (a score mod: score first); seq defaults to
+        this mod's aux tensors with zero lengths and offsets."""
+        if not self.takes_seq:
+            return self.fn(*args)
+        if seq is None:
+            seq = SeqInfo(aux=self.aux)
+        return self.fn(*args, seq)
+
+    def __repr__(self):
+        return f"<{self.kind} mod {self.name}>"
+
+
+def _mask(fn, name, aux=()):
+    return Modifier("mask", fn, aux, name)
+
+
+def _sub(seq: SeqInfo, start: int, mod: Modifier) -> SeqInfo:
+    """seq as mod sees it inside a combination: its own slice of the aux tensors."""
+    return seq._replace(aux=seq.aux[start:start + len(mod.aux)])
+
+
+def _visible_all(q_idx, kv_idx):
+    """True in the broadcast shape of the two indices (torch), or True (kernel)."""
+    return q_idx - kv_idx == q_idx - kv_idx
 
 
 # ----------------------------------------------------------------------------------------
@@ -56,48 +214,44 @@ def _diagonal_shift(seqlen_q, seqlen_k):
 # ----------------------------------------------------------------------------------------
 
 
-def causal(seqlen_q=None, seqlen_k=None):
-    """Causal mask: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+def causal():
+    """Causal mask, bottom-right aligned like reference.visible_keys(causal=True): query i
+    sees key j iff j <= i + seqlen_k - seqlen_q (positions within the entry)."""
 
-    Bottom-right aligned like reference.visible_keys(causal=True): the last query is
-    aligned with the last key. Without lengths the two sequences are taken as equal
-    (j <= i), the self-attention case.
-    """
-    shift = _diagonal_shift(seqlen_q, seqlen_k)
+    def causal(b, h, q_idx, kv_idx, seq):
+        return kv_idx - seq.offset_k <= q_idx - seq.offset_q + seq.seqlen_k - seq.seqlen_q
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + shift
-
-    return _named(mask_mod, "causal")
+    return _mask(causal, "causal")
 
 
-def sliding_window(left, right, seqlen_q=None, seqlen_k=None):
+def sliding_window(left, right):
     """FlashAttention's local window: query i sees key j iff
-    i + shift - left <= j <= i + shift + right, shift = seqlen_k - seqlen_q (0 without
-    lengths); -1 leaves a side unbounded, so (-1, 0) is causal and (-1, -1) sees all.
-    Equal to reference.visible_keys(window_size=(left, right)).
-    """
+    i + shift - left <= j <= i + shift + right, shift = seqlen_k - seqlen_q; -1 leaves a
+    side unbounded, so (-1, 0) is causal and (-1, -1) sees all. Equal to
+    reference.visible_keys(window_size=(left, right))."""
     left, right = validate_window_size((left, right))
-    shift = _diagonal_shift(seqlen_q, seqlen_k)
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        visible = _all_visible(q_idx, kv_idx)
-        if right >= 0:  # static: decided when the mod is built, not per index
-            visible = visible & (kv_idx <= q_idx + shift + right)
+    def sliding_window(b, h, q_idx, kv_idx, seq):
+        diag = q_idx - seq.offset_q + seq.seqlen_k - seq.seqlen_q  # the query's aligned key
+        key = kv_idx - seq.offset_k
+        visible = _visible_all(q_idx, kv_idx)
+        if right >= 0:  # static: fixed when the mod is built, not per index
+            visible = visible & (key <= diag + right)
         if left >= 0:
-            visible = visible & (kv_idx >= q_idx + shift - left)
+            visible = visible & (key >= diag - left)
         return visible
 
-    return _named(mask_mod, f"sliding_window_{left}_{right}")
+    return _mask(sliding_window, f"sliding_window_{left}_{right}")
 
 
-def block_diffusion(block_size, seqlen):
+def block_diffusion(block_size):
     """BD3LM's block-diffusion mask (Arriola et al., "Block Diffusion", 2025).
 
     The training input is the sequence twice: the noisy half x_t at positions [0, L),
-    then the clean half x_0 at [L, 2L), with L = seqlen // 2 (seqlen must be even). Both
-    halves are cut into blocks of block_size tokens, block(p) = (p mod L) // block_size
-    (the last block is shorter when block_size does not divide L). Query i sees key j iff
+    then the clean half x_0 at [L, 2L), with L = seqlen // 2 (self-attention; the length
+    is read at run time, so one kernel serves every L). Both halves are cut into blocks
+    of block_size tokens, block(p) = (p mod L) // block_size (the last block is shorter
+    when block_size does not divide L). Query i sees key j iff
 
     - i noisy, j noisy: block(j) == block(i)  -- a noisy block denoises itself
       bidirectionally (block diagonal);
@@ -107,91 +261,97 @@ def block_diffusion(block_size, seqlen):
       autoregressive decoding with a KV cache;
     - i clean, j noisy: never.
 
-    Self-attention: q_idx and kv_idx index the same 2L-token sequence.
+    With an odd length 2L + 1 the clean half gets the extra token (position L of it).
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if seqlen < 0 or seqlen % 2:
-        raise ValueError(f"seqlen must be even and >= 0 (noisy half + clean half), got {seqlen}")
-    half = seqlen // 2
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        q_clean, kv_clean = q_idx >= half, kv_idx >= half
-        q_block = (q_idx % half) // block_size if half else q_idx
-        kv_block = (kv_idx % half) // block_size if half else kv_idx
+    def block_diffusion(b, h, q_idx, kv_idx, seq):
+        half = seq.seqlen_q // 2
+        q, kv = q_idx - seq.offset_q, kv_idx - seq.offset_k
+        q_clean, kv_clean = q >= half, kv >= half
+        # p mod L for p < 2L, without a division by the run-time L
+        q_block = (q - half * q_clean) // block_size
+        kv_block = (kv - half * kv_clean) // block_size
         noisy_noisy = ~q_clean & ~kv_clean & (kv_block == q_block)
         noisy_clean = ~q_clean & kv_clean & (kv_block < q_block)
         clean_clean = q_clean & kv_clean & (kv_block <= q_block)
         return noisy_noisy | noisy_clean | clean_clean
 
-    return _named(mask_mod, f"block_diffusion_{block_size}_{seqlen}")
+    return _mask(block_diffusion, f"block_diffusion_{block_size}")
 
 
 def prefix_lm(prefix_lens):
     """Prefix-LM: in batch entry b, query i sees key j iff j < prefix_lens[b] (the prefix
     is visible to every query, bidirectionally) or j <= i (causal beyond it).
 
-    prefix_lens: (batch,) ints (a tensor or a sequence); 0 is plain causal attention, a
-    length >= seqlen is full bidirectional attention. Self-attention (top-left aligned).
+    prefix_lens: (batch,) int32 tensor (a sequence is converted); 0 is plain causal
+    attention, a length >= seqlen is full bidirectional attention. Self-attention
+    (top-left aligned, positions within the entry).
     """
-    prefix_lens = torch.as_tensor(prefix_lens, dtype=torch.int64)
-    if prefix_lens.dim() != 1:
-        raise ValueError(f"prefix_lens must be 1-D (batch,), got shape {tuple(prefix_lens.shape)}")
+    lens = torch.as_tensor(prefix_lens, dtype=torch.int32) if not isinstance(prefix_lens, torch.Tensor) \
+        else prefix_lens
+    if lens.dim() != 1 or lens.is_floating_point() or lens.dtype == torch.bool:
+        raise ValueError(f"prefix_lens must be a 1-D (batch,) integer tensor, got {lens.dtype} {tuple(lens.shape)}")
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        lens = prefix_lens.to(kv_idx.device)[b]
-        return (kv_idx < lens) | (kv_idx <= q_idx)
+    def prefix_lm(b, h, q_idx, kv_idx, seq):
+        key = kv_idx - seq.offset_k
+        return (key < seq.aux[0][b]) | (key <= q_idx - seq.offset_q)
 
-    return _named(mask_mod, "prefix_lm")
+    return _mask(prefix_lm, "prefix_lm", (lens,))
 
 
 def document(doc_ids, causal=False):
-    """Packed documents: in batch entry b, query i sees key j iff
-    doc_ids[b, i] == doc_ids[b, j] (and j <= i when causal).
+    """Packed documents: query i sees key j iff they carry the same document id (and
+    j <= i when causal).
 
-    doc_ids: (batch, seqlen) integer tensor, one id per token; ids need not be contiguous
-    or sorted (a skipped id is an empty document), a token with an id of its own is a
-    one-token document that sees only itself. Self-attention: seqlen_q = seqlen_k =
-    doc_ids.shape[1]. Unlike varlen (cu_seqlens), this keeps a dense (batch, seqlen)
-    layout and lets documents interleave.
+    doc_ids: one integer id per token, (batch, seqlen) for a dense batch (indexed
+    doc_ids[b, i]), or (total,) for a packed varlen batch (indexed by the global token
+    index). Ids need not be contiguous or sorted (a token with an id of its own is a
+    one-token document that sees only itself). Self-attention.
     """
-    doc_ids = torch.as_tensor(doc_ids)
-    if doc_ids.dim() != 2 or doc_ids.is_floating_point() or doc_ids.dtype == torch.bool:
-        raise ValueError(
-            f"doc_ids must be a (batch, seqlen) integer tensor, got {doc_ids.dtype} "
-            f"of shape {tuple(doc_ids.shape)}"
-        )
+    ids = torch.as_tensor(doc_ids)
+    if ids.dim() not in (1, 2) or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"doc_ids must be a (batch, seqlen) or (total,) integer tensor, got {ids.dtype} of "
+                         f"shape {tuple(ids.shape)}")
+    packed = ids.dim() == 1
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        ids = doc_ids.to(q_idx.device)
-        same = ids[b, q_idx] == ids[b, kv_idx]
-        return same & (kv_idx <= q_idx) if causal else same
+    def document(b, h, q_idx, kv_idx, seq):
+        d = seq.aux[0]
+        same = (d[q_idx] == d[kv_idx]) if packed else (d[b, q_idx] == d[b, kv_idx])
+        if causal:
+            same = same & (kv_idx <= q_idx)
+        return same
 
-    return _named(mask_mod, "document_causal" if causal else "document")
+    return _mask(document, "document_causal" if causal else "document", (ids,))
 
 
 def and_masks(*mask_mods):
     """Visible iff every mod says visible (no mods: everything visible)."""
+    mods = tuple(Modifier.of("mask", m) for m in mask_mods)
+    starts = [sum(len(m.aux) for m in mods[:i]) for i in range(len(mods))]
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        visible = _all_visible(q_idx, kv_idx)
-        for mod in mask_mods:
-            visible = visible & mod(b, h, q_idx, kv_idx)
+    def and_masks(b, h, q_idx, kv_idx, seq):
+        visible = _visible_all(q_idx, kv_idx)
+        for mod, start in zip(mods, starts):
+            visible = visible & mod(b, h, q_idx, kv_idx, seq=_sub(seq, start, mod))
         return visible
 
-    return _named(mask_mod, "and(" + ", ".join(m.__name__ for m in mask_mods) + ")")
+    return _mask(and_masks, "and(" + ", ".join(m.name for m in mods) + ")", sum((m.aux for m in mods), ()))
 
 
 def or_masks(*mask_mods):
     """Visible iff some mod says visible (no mods: nothing visible)."""
+    mods = tuple(Modifier.of("mask", m) for m in mask_mods)
+    starts = [sum(len(m.aux) for m in mods[:i]) for i in range(len(mods))]
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        visible = ~_all_visible(q_idx, kv_idx)
-        for mod in mask_mods:
-            visible = visible | mod(b, h, q_idx, kv_idx)
+    def or_masks(b, h, q_idx, kv_idx, seq):
+        visible = ~_visible_all(q_idx, kv_idx)
+        for mod, start in zip(mods, starts):
+            visible = visible | mod(b, h, q_idx, kv_idx, seq=_sub(seq, start, mod))
         return visible
 
-    return _named(mask_mod, "or(" + ", ".join(m.__name__ for m in mask_mods) + ")")
+    return _mask(or_masks, "or(" + ", ".join(m.name for m in mods) + ")", sum((m.aux for m in mods), ()))
 
 
 # ----------------------------------------------------------------------------------------
@@ -199,27 +359,25 @@ def or_masks(*mask_mods):
 # ----------------------------------------------------------------------------------------
 
 
-def alibi(slopes, seqlen_q=None, seqlen_k=None):
-    """ALiBi (Press et al.): score + slopes[h] * (kv_idx - q_idx - shift), with
-    shift = seqlen_k - seqlen_q (0 without lengths, the self-attention case).
+def alibi(slopes):
+    """ALiBi (Press et al.): score + slopes[h] * (j - i - shift), positions within the
+    entry, shift = seqlen_k - seqlen_q (bottom-right aligned).
 
     The sign follows FlashAttention's alibi_slopes: slopes are positive (the usual
-    2^(-8k/H)) and the bias is -slope * distance for keys at or before the (bottom-right
-    aligned) diagonal, so farther keys are penalised. Under a causal mask this is exactly
-    FlashAttention's bias -slope * |i + shift - j|. Keys after the diagonal (visible
-    only without a causal mask) get +slope * distance here, whereas FlashAttention's
-    non-causal ALiBi is symmetric (-slope * |distance|): pair alibi with a causal mask
-    to match FlashAttention, or write a symmetric score mod.
+    2^(-8k/H)) and the bias is -slope * distance for keys at or before the aligned
+    diagonal, so farther keys are penalised. Under a causal mask this is exactly
+    FlashAttention's bias -slope * |i + shift - j|. Keys after the diagonal (visible only
+    without a causal mask) get +slope * distance here, whereas FlashAttention's
+    non-causal ALiBi is symmetric: pair alibi with a causal mask to match FlashAttention.
 
-    slopes: (heads,) float tensor or sequence, indexed by the query head.
+    slopes: (heads,) float32 tensor (a sequence is converted), indexed by the query head.
     """
-    slopes = torch.as_tensor(slopes, dtype=torch.float32)
-    if slopes.dim() != 1:
-        raise ValueError(f"slopes must be 1-D (heads,), got shape {tuple(slopes.shape)}")
-    shift = _diagonal_shift(seqlen_q, seqlen_k)
+    s = torch.as_tensor(slopes, dtype=torch.float32) if not isinstance(slopes, torch.Tensor) else slopes
+    if s.dim() != 1 or s.dtype != torch.float32:
+        raise ValueError(f"slopes must be a 1-D (heads,) float32 tensor, got {s.dtype} {tuple(s.shape)}")
 
-    def score_mod(score, b, h, q_idx, kv_idx):
-        slope = slopes.to(score.device)[h]
-        return score + slope * (kv_idx - q_idx - shift).to(score.dtype)
+    def alibi(score, b, h, q_idx, kv_idx, seq):
+        distance = (kv_idx - seq.offset_k) - (q_idx - seq.offset_q) - (seq.seqlen_k - seq.seqlen_q)
+        return score + seq.aux[0][h] * as_float(distance)
 
-    return _named(score_mod, "alibi")
+    return Modifier("score", alibi, (s,), "alibi")

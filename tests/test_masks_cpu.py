@@ -22,6 +22,7 @@ from cute_attn.mask_reference import (
     block_mask,
     dense_mask,
     index_grids,
+    seq_info,
     kv_tile_lists,
     q_tile_lists,
 )
@@ -69,14 +70,14 @@ def test_block_diffusion_matches_rule(block_size):
             return bj <= bi
         return False  # clean never sees noisy
 
-    got = dense_mask(masks.block_diffusion(block_size, seqlen), 1, 1, seqlen, seqlen)
+    got = dense_mask(masks.block_diffusion(block_size), 1, 1, seqlen, seqlen)
     assert torch.equal(got, loop_mask(rule, 1, 1, seqlen, seqlen))
 
 
 def test_block_diffusion_structure():
     """The four quadrants for L = 12, block 4: block diagonal, strictly block-lower,
     block-lower with diagonal, nothing."""
-    m = dense_mask(masks.block_diffusion(4, 24), 1, 1, 24, 24)[0, 0]
+    m = dense_mask(masks.block_diffusion(4), 1, 1, 24, 24)[0, 0]
     blocks = torch.arange(12) // 4
     same = blocks[:, None] == blocks[None, :]
     before = blocks[None, :] < blocks[:, None]
@@ -90,9 +91,20 @@ def test_block_diffusion_structure():
 
 def test_block_diffusion_rejects_bad_arguments():
     with pytest.raises(ValueError):
-        masks.block_diffusion(4, 23)
+        masks.block_diffusion(0)
     with pytest.raises(ValueError):
-        masks.block_diffusion(0, 24)
+        masks.block_diffusion(2.5)
+
+
+def test_block_diffusion_reads_the_length_at_run_time():
+    """One mod (one kernel) for every L: the halves follow the length it is called with."""
+    mod = masks.block_diffusion(3)
+    for seqlen in (12, 18, 30):
+        half = seqlen // 2
+        m = dense_mask(mod, 1, 1, seqlen, seqlen)[0, 0]
+        blocks = torch.arange(half) // 3
+        assert torch.equal(m[:half, :half], blocks[:, None] == blocks[None, :])
+        assert not m[half:, :half].any()
 
 
 def test_prefix_lm_matches_rule():
@@ -134,10 +146,8 @@ SEQLEN_PAIRS = [(7, 7), (5, 9), (9, 5), (1, 6), (6, 1)]
 @pytest.mark.parametrize("sq,sk", SEQLEN_PAIRS)
 def test_causal_equals_visible_keys(sq, sk):
     expected = visible_keys(sq, sk, causal=True)
-    got = dense_mask(masks.causal(sq, sk), 1, 1, sq, sk)[0, 0]
+    got = dense_mask(masks.causal(), 1, 1, sq, sk)[0, 0]
     assert torch.equal(got, expected)
-    if sq == sk:
-        assert torch.equal(dense_mask(masks.causal(), 1, 1, sq, sk)[0, 0], expected)
 
 
 @pytest.mark.parametrize("sq,sk", SEQLEN_PAIRS)
@@ -146,13 +156,25 @@ def test_sliding_window_equals_visible_keys(sq, sk, window):
     expected = visible_keys(sq, sk, window_size=window)
     if expected is None:
         expected = torch.ones(sq, sk, dtype=torch.bool)
-    got = dense_mask(masks.sliding_window(*window, seqlen_q=sq, seqlen_k=sk), 2, 1, sq, sk)
+    got = dense_mask(masks.sliding_window(*window), 2, 1, sq, sk)
     assert torch.equal(got[1, 0], expected)
 
 
-def test_mask_mod_needs_both_lengths():
-    with pytest.raises(ValueError):
-        masks.causal(seqlen_q=4)
+def test_modifier_contract():
+    with pytest.raises(TypeError, match="aux"):
+        masks.Modifier.of("mask", lambda b, h, q, kv: q >= kv, (torch.zeros(3),))
+    with pytest.raises(TypeError, match="positional"):
+        masks.Modifier.of("mask", lambda q, kv: q >= kv)
+    with pytest.raises(TypeError, match="score"):
+        masks.Modifier.of("score", masks.causal())
+    ids = torch.zeros(2, 5, dtype=torch.int32)
+    with pytest.raises(TypeError, match="aux tensor"):
+        masks.Modifier.of("mask", lambda b, h, q, kv: ids[b, q] == ids[b, kv]).key
+    # closures of one body with other constants are other kernels; the same ones are not
+    assert masks.block_diffusion(4).key == masks.block_diffusion(4).key
+    assert masks.block_diffusion(4).key != masks.block_diffusion(8).key
+    assert masks.sliding_window(2, 1).key != masks.sliding_window(1, 2).key
+    assert masks.document(ids).key != masks.document(ids, causal=True).key
 
 
 def test_combinators():
@@ -164,7 +186,7 @@ def test_combinators():
     assert torch.equal(dense_mask(masks.or_masks(doc, win), 2, 1, seqlen, seqlen), d | w)
     assert dense_mask(masks.and_masks(), 1, 1, 3, 4).all()
     assert not dense_mask(masks.or_masks(), 1, 1, 3, 4).any()
-    assert masks.and_masks(doc, win).__name__ == "and(document, sliding_window_2_1)"
+    assert masks.and_masks(doc, win).name == "and(document, sliding_window_2_1)"
 
 
 def test_dense_mask_rejects_non_bool():
@@ -190,8 +212,8 @@ def _grads(fn, tensors, seed=1):
 def test_causal_and_window_match_attention_ref(sq, sk, heads, heads_kv):
     tensors = qkv(2, sq, sk, heads, heads_kv, grad=True)
     cases = [
-        (dict(causal=True), masks.causal(sq, sk)),
-        (dict(window_size=(2, 1)), masks.sliding_window(2, 1, sq, sk)),
+        (dict(causal=True), masks.causal()),
+        (dict(window_size=(2, 1)), masks.sliding_window(2, 1)),
         (dict(), None),
     ]
     for kwargs, mod in cases:
@@ -259,7 +281,8 @@ def test_alibi_matches_hand_written_bias():
 
     # the score mod alone, element by element
     zero = torch.zeros(batch, heads, sq, sk)
-    bias = masks.alibi(slopes, sq, sk)(zero, *index_grids(batch, heads, sq, sk))
+    alibi = masks.alibi(slopes)
+    bias = alibi(zero, *index_grids(batch, heads, sq, sk), seq=seq_info(alibi, sq, sk))
     for h in range(heads):
         for i in range(sq):
             for j in range(sk):
@@ -273,8 +296,8 @@ def test_alibi_matches_hand_written_bias():
     scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale + fa_bias
     scores = scores.masked_fill(~visible_keys(sq, sk, causal=True), float("-inf"))
     expected = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vr)
-    out, lse = attention_ref_mod(q, k, v, mask_mod=masks.causal(sq, sk),
-                                 score_mod=masks.alibi(slopes, sq, sk), softmax_scale=scale)
+    out, lse = attention_ref_mod(q, k, v, mask_mod=masks.causal(), score_mod=masks.alibi(slopes),
+                                 softmax_scale=scale)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(lse, scores.logsumexp(-1))
     dq, dk = torch.autograd.grad(out.sum(), (q, k))
@@ -301,9 +324,9 @@ def _block_cases():
         ("document", masks.document(doc_ids), 2, 2, 23, 23),
         ("document_causal_window", masks.and_masks(masks.document(doc_ids, causal=True),
                                                    per_head_window), 2, 2, 23, 23),
-        ("block_diffusion", masks.block_diffusion(4, 26), 1, 1, 26, 26),
+        ("block_diffusion", masks.block_diffusion(4), 1, 1, 26, 26),
         ("prefix_lm", masks.prefix_lm([0, 9]), 2, 1, 19, 19),
-        ("causal_rect", masks.causal(13, 21), 1, 1, 13, 21),
+        ("causal_rect", masks.causal(), 1, 1, 13, 21),
         ("nothing", masks.or_masks(), 1, 1, 7, 9),
     ]
 

@@ -30,10 +30,14 @@ class ScoreScale(NamedTuple):
     softcap_pre: Float32  # softcap only: S' = tanh(S * softcap_pre)
 
 
-def fold_score_scale(softmax_scale: Float32, softcap: Float32, has_softcap: bool) -> ScoreScale:
+def fold_score_scale(softmax_scale: Float32, softcap: Float32, has_softcap: bool,
+                     has_score_mod: bool = False) -> ScoreScale:
     """softmax(scale * S) = exp2(S * scale * log2(e) - ...); with a softcap the scores are
     softcap * tanh(scale * S / softcap): tanh first (softcap_pre = scale / softcap), then
-    softcap * log2(e) in the exp2 (see softcap_scores)."""
+    softcap * log2(e) in the exp2 (see softcap_scores). A score mod rewrites the scaled
+    score itself (blocks/mods.py multiplies by the scale first): the exp2 scale is log2(e)."""
+    if cutlass.const_expr(has_score_mod):
+        return ScoreScale(softmax_scale, Float32(math.log2(math.e)), Float32(1.0))
     if cutlass.const_expr(has_softcap):
         return ScoreScale(softmax_scale, softcap * math.log2(math.e), softmax_scale / softcap)
     return ScoreScale(softmax_scale, softmax_scale * math.log2(math.e), Float32(1.0))

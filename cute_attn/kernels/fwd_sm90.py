@@ -76,6 +76,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from cute_attn.blocks import epilogue, fp8_operand, lse_combine, mma_sm90
+from cute_attn.blocks.mods import BlockList, ModTile
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.mask import AttentionMask, Window
@@ -124,6 +125,10 @@ class FwdGlobals(NamedTuple):
     page_table: cute.Tensor  # (batch, max_pages) int32; paged KV only (else unread)
     split: SplitBuffers  # split-KV only (else stand-ins, unread)
     descale: tuple  # FP8: (q, k, v) descales, (batch, heads_kv) float32 (else stand-ins, unread)
+    # mask mods: the block mask's (partial_count, partial_idx, full_count, full_idx),
+    # blocks/mods.BlockList (else stand-ins, unread)
+    sparse: tuple
+    aux: tuple  # the mods' aux tensors (masks.SeqInfo.aux); else a stand-in, unread
 
 
 class FwdLayouts(NamedTuple):
@@ -225,9 +230,14 @@ class FlashFwdSm90:
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mPageTable: cute.Tensor, split: SplitBuffers,
         descale: tuple, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32, window_left: Int32,
-        window_right: Int32, num_splits: Int32, stream,
+        window_right: Int32, num_splits: Int32, stream, sparse: tuple = None, aux: tuple = None,
     ):
-        """mO, mLSE: what the tiles write (split-KV: the partials)."""
+        """mO, mLSE: what the tiles write (split-KV: the partials). sparse, aux: the mod
+        entry point's block mask and aux tensors (others: None, stand-ins are used)."""
+        if cutlass.const_expr(sparse is None):
+            sparse = (mLSE, mLSE, mLSE, mLSE)
+        if cutlass.const_expr(aux is None):
+            aux = (mLSE,)
         mQ, mK, mV, mO = [bshd_as_sdhb(t) for t in (mQ, mK, mV, mO)]
         mLSE = rowwise_as_rhb(mLSE)
         if cutlass.const_expr(self.pack_gqa > 1):
@@ -272,7 +282,7 @@ class FlashFwdSm90:
             v=make_tma_tensor(load_op, mV, v_box, (self.kv_box_rows, d)),
             o=self._o_store(mO, layouts.sO, q_tma),
             o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, page_table=mPageTable,
-            split=split, descale=descale,
+            split=split, descale=descale, sparse=sparse, aux=aux,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, layouts.sQ)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage)
@@ -292,7 +302,7 @@ class FlashFwdSm90:
 
         self.shared_storage = SharedStorage
 
-        score = fold_score_scale(softmax_scale, softcap, self.features.softcap)
+        score = fold_score_scale(softmax_scale, softcap, self.features.softcap, self.features.score_mod is not None)
         self.kernel(g, layouts, score, window_left, window_right, num_splits).launch(
             grid=self.scheduler.grid(mQ, mCuSeqlensQ, max_seqlen_q, num_splits),
             block=[self.num_threads, 1, 1],
@@ -399,26 +409,51 @@ class FlashFwdSm90:
             tKsK, tKgK = tma_partition(g.k, smem.k, gK)
             tVsV, tVgV = tma_partition(g.v, smem.v, gV)
 
-        n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block, tile.split)
+        blocks, n_block_max, count = self.kv_blocks(g, tile, block_range, seqlen)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         load_k = (g, seqlen, g.k.atom, tKgK, tKsK, pipes.k)
         load_v = (g, seqlen, g.v.atom, tVgV, tVsV, pipes.v)
-        if n_block_max > n_block_min:
-            self.load_kv(*load_k, kv_state, n_block_max - 1)
+        if count > 0:
+            prev_block = self.kv_block(blocks, n_block_max, 0)
+            self.load_kv(*load_k, kv_state, prev_block)
             if cutlass.const_expr(not self.intra_wg_overlap):
-                self.load_kv(*load_v, kv_state, n_block_max - 1)
-            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                n_block = n_block_max - 2 - i
+                self.load_kv(*load_v, kv_state, prev_block)
+            for i in cutlass.range(count - 1, unroll=1):
+                n_block = self.kv_block(blocks, n_block_max, i + 1)
                 prev_state = kv_state.clone()
                 kv_state.advance()
                 self.load_kv(*load_k, kv_state, n_block)
                 if cutlass.const_expr(self.intra_wg_overlap):
                     # V runs one block behind K, matching the consumers' order
-                    self.load_kv(*load_v, prev_state, n_block + 1)
+                    self.load_kv(*load_v, prev_state, prev_block)
                 else:
                     self.load_kv(*load_v, kv_state, n_block)
+                prev_block = n_block
             if cutlass.const_expr(self.intra_wg_overlap):
-                self.load_kv(*load_v, kv_state, n_block_min)
+                self.load_kv(*load_v, kv_state, prev_block)
+
+    @cute.jit
+    def kv_blocks(self, g: FwdGlobals, tile: WorkTile, block_range: BlockRange, seqlen: SeqlenInfo):
+        """(blocks, n_block_max, count): the KV blocks this tile visits, as count steps
+        i = 0 .. count - 1 (kv_block). A mask mod: the block mask's lists (blocks); else
+        the range [n_min, n_max) of block_range, last block first."""
+        blocks = None
+        if cutlass.const_expr(self.features.mask_mod is not None):
+            blocks = BlockList(g.sparse, tile.batch, tile.head, tile.block)
+            n_block_max, count = Int32(0), blocks.count
+        else:
+            n_block_min, n_block_max = block_range.n_block_min_max(seqlen, tile.block, tile.split)
+            count = n_block_max - n_block_min
+        return blocks, n_block_max, count
+
+    @cute.jit
+    def kv_block(self, blocks, n_block_max: Int32, i: Int32) -> Int32:
+        """The KV block of step i (see kv_blocks)."""
+        if cutlass.const_expr(blocks is not None):
+            n_block = blocks.n_block(i)
+        else:
+            n_block = n_block_max - 1 - i
+        return n_block
 
     @cute.jit
     def load_kv(self, g: FwdGlobals, seqlen: SeqlenInfo, tma_atom, tXgX, tXsX, pipeline_x, state, n_block):
@@ -507,7 +542,13 @@ class FlashFwdSm90:
 
         m_block = tile.block
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window, self.pack_gqa)
-        n_block_min, n_block_max = block_range.n_block_min_max(seqlen, m_block, tile.split)
+        mods = None
+        if cutlass.const_expr(self.features.has_mods):
+            mods = ModTile(self.features.mask_mod, self.features.score_mod, self.tile_m, self.tile_n, seqlen,
+                           tile.batch, tile.head, g.aux, score.softmax_scale)
+            if cutlass.const_expr(self.features.mask_mod is not None):
+                mask = mods  # masks blocks by the mod (and the end of the keys)
+        blocks, n_block_max, count = self.kv_blocks(g, tile, block_range, seqlen)
         if cutlass.const_expr(self.pingpong):
             if wg_idx == 0:
                 # warpgroup 0 takes the first turn
@@ -522,8 +563,9 @@ class FlashFwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # O's rescale by the latest row-max change, applied just before the next PV WGMMA
         pending_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-        if n_block_max > n_block_min:
+        if count > 0:
             # First block: the only one that can be partial (end of keys); masked always.
+            n_first = self.kv_block(blocks, n_block_max, 0)
             acc_S = cute.make_rmem_tensor(ops.acc_S_shape, Float32)
             pipes.k.consumer_wait(kv_state)
             mma_sm90.gemm(
@@ -533,24 +575,36 @@ class FlashFwdSm90:
             pipes.k.consumer_release(kv_state)
             if cutlass.const_expr(self.features.softcap):
                 softcap_scores(acc_S, score.softcap_pre)
-            mask.apply(acc_S, ops.tScS, m_block, n_block_max - 1)
+            if cutlass.const_expr(self.features.score_mod is not None):
+                mods.apply_score(acc_S, ops.tScS, m_block, n_first)
+            mask.apply(acc_S, ops.tScS, m_block, n_first)
             pending_scale.store(softmax.step(acc_S, is_first=True).load())
             self.scores_to_p(acc_S, tOrP)
             if cutlass.const_expr(not self.intra_wg_overlap):
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
 
-            # Blocks cutting the window's right edge (the causal diagonal), the unmasked
-            # bulk, then blocks cutting its left edge (sliding windows only).
-            right_start = block_range.n_block_right_mask_start(seqlen, m_block, n_block_min, n_block_max)
-            left_end = block_range.n_block_left_mask_end(seqlen, m_block, n_block_min, right_start)
-            step = (ops, layouts, pipes, softmax, mask, m_block, wg_idx, pending_scale, score.softcap_pre)
-            for i in cutlass.range(n_block_max - 1 - right_start, unroll=1):
-                kv_state = self.mainloop_step(n_block_max - 2 - i, kv_state, *step, masked=True)
-            for i in cutlass.range(right_start - left_end, unroll=1):
-                kv_state = self.mainloop_step(right_start - 1 - i, kv_state, *step, masked=False)
-            if cutlass.const_expr(window.has_left):
-                for i in cutlass.range(left_end - n_block_min, unroll=1):
-                    kv_state = self.mainloop_step(left_end - 1 - i, kv_state, *step, masked=True)
+            step = (ops, layouts, pipes, softmax, mask, mods, m_block, wg_idx, pending_scale, score.softcap_pre)
+            if cutlass.const_expr(blocks is not None):
+                # a block mask: its PARTIAL tiles (the mod evaluated per element), then
+                # its FULL ones (no mask); step 0 above was the first of either list
+                for i in cutlass.range(cutlass.max(blocks.num_partial - 1, 0), unroll=1):
+                    kv_state = self.mainloop_step(blocks.n_block(i + 1), kv_state, *step, masked=True)
+                first_full = cutlass.max(blocks.num_partial, 1)
+                for i in cutlass.range(count - first_full, unroll=1):
+                    kv_state = self.mainloop_step(blocks.n_block(first_full + i), kv_state, *step, masked=False)
+            else:
+                # Blocks cutting the window's right edge (the causal diagonal), the
+                # unmasked bulk, then blocks cutting its left edge (sliding windows only).
+                n_block_min = n_block_max - count
+                right_start = block_range.n_block_right_mask_start(seqlen, m_block, n_block_min, n_block_max)
+                left_end = block_range.n_block_left_mask_end(seqlen, m_block, n_block_min, right_start)
+                for i in cutlass.range(n_block_max - 1 - right_start, unroll=1):
+                    kv_state = self.mainloop_step(n_block_max - 2 - i, kv_state, *step, masked=True)
+                for i in cutlass.range(right_start - left_end, unroll=1):
+                    kv_state = self.mainloop_step(right_start - 1 - i, kv_state, *step, masked=False)
+                if cutlass.const_expr(window.has_left):
+                    for i in cutlass.range(left_end - n_block_min, unroll=1):
+                        kv_state = self.mainloop_step(left_end - 1 - i, kv_state, *step, masked=True)
             if cutlass.const_expr(self.intra_wg_overlap):
                 softmax.rescale(acc_O, pending_scale)
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
@@ -566,9 +620,11 @@ class FlashFwdSm90:
     @cute.jit
     def mainloop_step(
         self, n_block, kv_state, ops: MainloopOperands, layouts: FwdLayouts, pipes: FwdPipelines,
-        softmax: OnlineSoftmax, mask: AttentionMask, m_block, wg_idx, pending_scale, softcap_pre,
+        softmax: OnlineSoftmax, mask, mods, m_block, wg_idx, pending_scale, softcap_pre,
         masked: cutlass.Constexpr[bool],
     ):
+        """One KV block. mask: an AttentionMask, or with a mask mod the ModTile (mods),
+        which also applies a score mod to every block."""
         tiled_mma_qk, tiled_mma_pv = layouts.mma_qk, layouts.mma_pv
         acc_S = cute.make_rmem_tensor(ops.acc_S_shape, Float32)
         if cutlass.const_expr(self.intra_wg_overlap):
@@ -596,6 +652,8 @@ class FlashFwdSm90:
             pipes.k.consumer_release(kv_state)
             if cutlass.const_expr(self.features.softcap):
                 softcap_scores(acc_S, softcap_pre)
+            if cutlass.const_expr(self.features.score_mod is not None):
+                mods.apply_score(acc_S, ops.tScS, m_block, n_block)
             if cutlass.const_expr(masked):
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
@@ -614,6 +672,8 @@ class FlashFwdSm90:
             pipes.k.consumer_release(kv_state)
             if cutlass.const_expr(self.features.softcap):
                 softcap_scores(acc_S, softcap_pre)
+            if cutlass.const_expr(self.features.score_mod is not None):
+                mods.apply_score(acc_S, ops.tScS, m_block, n_block)
             if cutlass.const_expr(masked):
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             row_scale = softmax.step(acc_S, is_first=False)
@@ -850,3 +910,34 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self.launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mCuSeqlensK, split,
                     (mQDescale, mKDescale, mVDescale), max_seqlen_q, softmax_scale, softcap, window_left,
                     window_right, Int32(1), stream)
+
+
+class FlashFwdSm90Mods(FlashFwdSm90):
+    """The forward with mask and/or score mods (AttnFeatures.mask_mod / score_mod,
+    cute_attn/masks.py): the dense kernel walking a block mask's tile lists (a mask mod)
+    and applying the mods per element (blocks/mods.py). The mods' aux tensors arrive as
+    one tuple, the mask mod's first; a call without aux tensors passes one stand-in."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mPartialCount: cute.Tensor,  # (batch, heads, tiles_m) int32: block_mask.BlockMask
+        mPartialIdx: cute.Tensor,  # (batch, heads, tiles_m, tiles_n) int32
+        mFullCount: cute.Tensor,
+        mFullIdx: cute.Tensor,
+        aux: tuple,
+        max_seqlen_q: Int32,
+        softmax_scale: Float32,
+        stream,
+    ):
+        split = SplitBuffers(mO, mLSE, mO, mLSE, mCuSeqlensK)  # unread stand-ins
+        self.launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mCuSeqlensK, split, (mLSE, mLSE, mLSE),
+                    max_seqlen_q, softmax_scale, Float32(0.0), Int32(0), Int32(0), Int32(1), stream,
+                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx), aux=aux)

@@ -1,0 +1,199 @@
+"""Block masks: which (query tile, KV tile) pairs a mask mod leaves empty, partial or full,
+as the tile lists the forward kernel walks (issue 14).
+
+Evaluating a mask mod on every pair of every tile would cost the kernel as much as the
+attention it saves, so the mask is summarised per tile once, on the GPU, with torch: the
+mod is called with broadcast index tensors over a chunk of query tiles at a time (a
+mod's body works on torch tensors and in the kernel alike, see masks.py), and each tile
+is classified:
+
+- EMPTY: no pair visible: the kernel never loads the KV tile;
+- FULL: every pair visible and no key past the sequence end: computed without calling
+  the mod;
+- PARTIAL: the rest: computed, then the mod is evaluated per element (and keys past the
+  end are masked).
+
+Per query tile the kernel gets two lists, the PARTIAL KV tiles and the FULL ones, each
+from the last tile to the first (the order of the dense kernel). The layout is
+FlexAttention's (kv_num_blocks / kv_indices and full_kv_num_blocks / full_kv_indices),
+the classes are mask_reference.block_mask's, which tests/test_block_mask_*.py hold it
+to. A mod that ignores the batch or head index gets lists of batch (or heads) 1, expanded
+with stride 0 at the call; a mask mod that does depend on them costs one evaluation each.
+
+Build once per (mask, shape) with create_block_mask and pass it to every layer; mha
+builds (and caches, by the mod's key, its aux tensors' identity and the shape) one when
+none is given.
+"""
+
+import math
+from collections import OrderedDict
+from typing import NamedTuple, Optional
+
+import torch
+
+from cute_attn.masks import Modifier, SeqInfo
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+# pairs evaluated per chunk of query tiles (bools, plus the int64 index tensors): bounds
+# the builder's memory at 16K x 16K and beyond
+_CHUNK_PAIRS = 1 << 27
+
+
+class BlockMask(NamedTuple):
+    """The tile lists of one mask at one shape and tile size (see the module docstring).
+
+    partial_count, full_count: int32 (B', H', tiles_m); partial_idx, full_idx: int32
+    (B', H', tiles_m, tiles_n), the first count entries of a row are KV tiles, last to
+    first; the rest -1. B' is batch or 1 (the mod ignores b), H' heads or 1."""
+
+    partial_count: torch.Tensor
+    partial_idx: torch.Tensor
+    full_count: torch.Tensor
+    full_idx: torch.Tensor
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    tile_m: int
+    tile_n: int
+    mod_key: tuple
+
+    def kernel_tensors(self):
+        """The four lists expanded to (batch, heads, ...) (stride 0 where B' or H' is 1)."""
+        b, h = self.batch, self.heads
+        return (self.partial_count.expand(b, h, -1), self.partial_idx.expand(b, h, -1, -1),
+                self.full_count.expand(b, h, -1), self.full_idx.expand(b, h, -1, -1))
+
+    def classes(self) -> torch.Tensor:
+        """int8 (B', H', tiles_m, tiles_n) of EMPTY / PARTIAL / FULL (for tests and plots)."""
+        tiles_n = self.partial_idx.shape[-1]
+        # one spare column takes the writes of the unlisted (-1) entries
+        out = torch.zeros(*self.partial_idx.shape[:-1], tiles_n + 1, dtype=torch.int8, device=self.partial_idx.device)
+        for idx, count, cls in ((self.partial_idx, self.partial_count, PARTIAL), (self.full_idx, self.full_count, FULL)):
+            listed = torch.arange(tiles_n, device=idx.device) < count.unsqueeze(-1)
+            target = torch.where(listed, idx, tiles_n).long()
+            out.scatter_(-1, target, torch.full_like(target, cls, dtype=torch.int8))
+        return out[..., :tiles_n]
+
+    def sparsity(self) -> float:
+        """The fraction of (query tile, KV tile) pairs skipped (EMPTY)."""
+        tiles = self.partial_idx.shape[-2] * self.partial_idx.shape[-1]
+        visited = (self.partial_count.sum() + self.full_count.sum()).item()
+        return 1.0 - visited / max(1, tiles * self.partial_count.shape[0] * self.partial_count.shape[1])
+
+
+def _depends(mod: Modifier, batch: int, heads: int, seq: SeqInfo, device):
+    """Whether the mod's result varies with b and with h: the broadcast shape of one
+    evaluation at a single (q, kv) pair says which index tensors it used."""
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=device)
+    out = torch.as_tensor(mod(b, h, zero, zero, seq=seq))
+    shape = (1,) * (4 - out.dim()) + tuple(out.shape)
+    return shape[0] != 1, shape[1] != 1
+
+
+def _lists(classes: torch.Tensor, cls: int):
+    """(count, idx) of the tiles of class cls in each row of classes, last to first."""
+    tiles_n = classes.shape[-1]
+    position = torch.arange(tiles_n, device=classes.device).expand_as(classes)
+    hit = classes == cls
+    keys = torch.where(hit, position, torch.full_like(position, -1))
+    order = torch.sort(keys, dim=-1, descending=True).values
+    count = hit.sum(dim=-1, dtype=torch.int32)
+    return count, order.to(torch.int32)
+
+
+@torch.no_grad()
+def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int,
+                     device=None) -> BlockMask:
+    """Classify every tile of mask_mod (a masks.Modifier or a plain function) at this
+    shape, on device (the aux tensors' device by default), and return its tile lists."""
+    mod = Modifier.of("mask", mask_mod)
+    if min(batch, heads, seqlen_q, seqlen_k) < 0 or min(tile_m, tile_n) < 1:
+        raise ValueError(f"bad block-mask shape {(batch, heads, seqlen_q, seqlen_k)} / tile {(tile_m, tile_n)}")
+    if device is None:
+        device = mod.aux[0].device if mod.aux else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seq = SeqInfo(tuple(t.to(device) for t in mod.aux), seqlen_q, seqlen_k, 0, 0)
+    tiles_m, tiles_n = math.ceil(seqlen_q / tile_m), math.ceil(seqlen_k / tile_n)
+    by_b, by_h = _depends(mod, max(batch, 1), max(heads, 1), seq, device) if seqlen_q and seqlen_k else (False, False)
+    nb, nh = (batch if by_b else 1), (heads if by_h else 1)
+    b = torch.arange(nb, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(nh, device=device).view(1, -1, 1, 1)
+    kv_idx = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    classes = torch.zeros(nb, nh, tiles_m, tiles_n, dtype=torch.int8, device=device)
+    pad_k = tiles_n * tile_n - seqlen_k
+    tiles_per_chunk = max(1, _CHUNK_PAIRS // max(1, nb * nh * tile_m * tiles_n * tile_n))
+    for m0 in range(0, tiles_m, tiles_per_chunk):
+        m1 = min(tiles_m, m0 + tiles_per_chunk)
+        rows = min(m1 * tile_m, seqlen_q) - m0 * tile_m
+        q_idx = torch.arange(m0 * tile_m, m0 * tile_m + rows, device=device).view(1, 1, -1, 1)
+        visible = mod(b, h, q_idx, kv_idx, seq=seq)
+        if not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool:
+            raise TypeError(f"mask_mod {mod.name!r} must return a bool tensor, got "
+                            f"{getattr(visible, 'dtype', type(visible).__name__)}")
+        visible = visible.expand(nb, nh, rows, seqlen_k)
+        pad_q = (m1 - m0) * tile_m - rows
+        shape = (nb, nh, m1 - m0, tile_m, tiles_n, tile_n)
+        # padding counts as invisible for "any", visible for "all": tiles are judged on
+        # their in-bounds pairs
+        any_ = torch.nn.functional.pad(visible, (0, pad_k, 0, pad_q), value=False).view(shape).any(5).any(3)
+        all_ = torch.nn.functional.pad(visible, (0, pad_k, 0, pad_q), value=True).view(shape).all(5).all(3)
+        classes[:, :, m0:m1] = torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
+    if pad_k and tiles_n:
+        # the kernel masks keys past the end only in PARTIAL tiles: the last KV tile of a
+        # length that is not a multiple of tile_n cannot be FULL
+        last = classes[..., -1]
+        last[last == FULL] = PARTIAL
+    partial_count, partial_idx = _lists(classes, PARTIAL)
+    full_count, full_idx = _lists(classes, FULL)
+    return BlockMask(partial_count, partial_idx, full_count, full_idx, batch, heads, seqlen_q, seqlen_k,
+                     tile_m, tile_n, mod.key)
+
+
+_cache: "OrderedDict[tuple, BlockMask]" = OrderedDict()
+_CACHE_SIZE = 64
+
+
+def cached_block_mask(mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device) -> BlockMask:
+    """build_block_mask, remembered per (mod key, aux tensors' storage and version, shape,
+    tiles, device): a model calling mha with one mask in every layer builds it once. An
+    aux tensor modified in place (its version changes) builds anew."""
+    aux_id = tuple((t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride())) for t in mod.aux)
+    key = (mod.key, aux_id, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, str(device))
+    found = _cache.get(key)
+    if found is not None:
+        _cache.move_to_end(key)
+        return found
+    block_mask = build_block_mask(mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device)
+    _cache[key] = block_mask
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return block_mask
+
+
+def check_block_mask(block_mask: BlockMask, mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n):
+    """A user's block mask must be this mask's, at this shape and the kernel's tiles."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cute_attn.BlockMask (create_block_mask), got {type(block_mask).__name__}")
+    want = (batch, heads, seqlen_q, seqlen_k, tile_m, tile_n)
+    got = (block_mask.batch, block_mask.heads, block_mask.seqlen_q, block_mask.seqlen_k, block_mask.tile_m,
+           block_mask.tile_n)
+    if got != want:
+        raise ValueError(f"block_mask was built for (batch, heads, seqlen_q, seqlen_k, tile_m, tile_n) = {got}, "
+                         f"this call needs {want}")
+    if block_mask.mod_key != mod.key:
+        raise ValueError(f"block_mask was built for another mask mod than {mod.name!r}")
+
+
+def create_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, head_dim: int = 128,
+                      aux_tensors=(), device=None) -> BlockMask:
+    """The block mask mha(mask_mod=...) needs for inputs of this shape and head dim (the
+    head dim fixes the kernel's tiles): build it once, pass it to every call as
+    block_mask=. Without it mha builds one per new (mask, shape) and caches it."""
+    from cute_attn.config import mod_fwd_config_for
+
+    mod = Modifier.of("mask", mask_mod, aux_tensors)
+    cfg = mod_fwd_config_for(head_dim)
+    return build_block_mask(mod, batch, heads, seqlen_q, seqlen_k, cfg.tile_m, cfg.tile_n, device)

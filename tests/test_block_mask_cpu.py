@@ -1,0 +1,135 @@
+"""CPU tests of the block-mask builder (cute_attn/block_mask.py) against the brute-force
+classification of mask_reference.block_mask, of the mod kernels' compile, and of the
+API's checks for mask/score mods (raised before any kernel runs)."""
+
+import math
+
+import pytest
+import torch
+
+import cute_attn
+from cute_attn import block_mask as bm
+from cute_attn import masks, validation
+from cute_attn.mask_reference import FULL, PARTIAL, block_mask as reference_classes
+from cpu_standin import LauncherTrap, fake_cuda
+
+
+def _doc_ids(batch, seqlen, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 3, (batch, seqlen), generator=g).cumsum(dim=1) // 2).to(torch.int32)
+
+
+CASES = [
+    ("block_diffusion", lambda: masks.block_diffusion(4), 1, 1, 46, 46),
+    ("block_diffusion_odd", lambda: masks.block_diffusion(3), 2, 1, 37, 37),
+    ("document", lambda: masks.document(_doc_ids(2, 41, 0)), 2, 2, 41, 41),
+    ("prefix_lm", lambda: masks.prefix_lm([0, 17]), 2, 3, 29, 29),
+    ("causal_rect", lambda: masks.causal(), 1, 1, 13, 50),
+    ("per_head", lambda: (lambda b, h, q, kv: (kv <= q) & (kv >= q - 3 * (h + 1))), 1, 3, 33, 33),
+    ("nothing", lambda: masks.or_masks(), 1, 1, 9, 20),
+]
+TILES = [(4, 4), (8, 5), (16, 16), (128, 128)]
+
+
+def _kernel_view(classes, seqlen_k, tile_n):
+    """The reference's classes as the kernel needs them: a cut last KV tile is never FULL."""
+    classes = classes.clone()
+    if seqlen_k % tile_n:
+        last = classes[..., -1]
+        last[last == FULL] = PARTIAL
+    return classes
+
+
+@pytest.mark.parametrize("tile", TILES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_builder_matches_brute_force(case, tile, monkeypatch):
+    name, make, batch, heads, sq, sk = case
+    mod = make()
+    # small chunks, so that several chunks (and a ragged last one) are exercised
+    monkeypatch.setattr(bm, "_CHUNK_PAIRS", 3 * tile[0] * sk)
+    built = bm.build_block_mask(mod, batch, heads, sq, sk, *tile, device="cpu")
+    expected = _kernel_view(reference_classes(mod, batch, heads, sq, sk, *tile), sk, tile[1])
+    got = built.classes().expand(batch, heads, -1, -1)
+    assert torch.equal(got, expected)
+    tiles_m, tiles_n = math.ceil(sq / tile[0]), math.ceil(sk / tile[1])
+    # the lists: each class's tiles, last first, then -1
+    for lists, cls in (((built.partial_count, built.partial_idx), PARTIAL), ((built.full_count, built.full_idx), FULL)):
+        count, idx = (t.expand(batch, heads, *t.shape[2:]) for t in lists)
+        assert count.dtype == idx.dtype == torch.int32 and idx.shape == (batch, heads, tiles_m, tiles_n)
+        for b in range(batch):
+            for h in range(heads):
+                for m in range(tiles_m):
+                    want = [n for n in reversed(range(tiles_n)) if expected[b, h, m, n] == cls]
+                    c = int(count[b, h, m])
+                    assert idx[b, h, m, :c].tolist() == want
+                    assert (idx[b, h, m, c:] == -1).all()
+
+
+def test_builder_keeps_batch_and_head_only_when_the_mod_reads_them():
+    built = bm.build_block_mask(masks.block_diffusion(4), 3, 5, 40, 40, 8, 8, device="cpu")
+    assert built.partial_count.shape[:2] == (1, 1)
+    assert built.kernel_tensors()[0].shape == (3, 5, 5)
+    built = bm.build_block_mask(masks.document(_doc_ids(3, 40, 1)), 3, 5, 40, 40, 8, 8, device="cpu")
+    assert built.partial_count.shape[:2] == (3, 1)
+    built = bm.build_block_mask(lambda b, h, q, kv: kv <= q + h, 3, 5, 40, 40, 8, 8, device="cpu")
+    assert built.partial_count.shape[:2] == (1, 5)
+
+
+def test_block_diffusion_skips_most_tiles_at_small_blocks():
+    built = bm.build_block_mask(masks.block_diffusion(16), 1, 1, 8192, 8192, 128, 128, device="cpu")
+    # 32 x 32 tiles per quadrant: noisy-noisy visits its 32 diagonal tiles; noisy-clean
+    # (strictly block-lower, but blocks of 16 cut the diagonal tiles) and clean-clean
+    # (block-lower) the 528 on and below the diagonal; clean-noisy none
+    assert built.sparsity() == 1 - (32 + 2 * 528) / 4096
+
+
+def test_cached_block_mask_rebuilds_when_aux_changes():
+    ids = _doc_ids(1, 30, 2)
+    mod = masks.document(ids)
+    a = bm.cached_block_mask(mod, 1, 1, 30, 30, 8, 8, "cpu")
+    assert bm.cached_block_mask(mod, 1, 1, 30, 30, 8, 8, "cpu") is a
+    ids[0, :15] = 99  # in place: a new version
+    b = bm.cached_block_mask(mod, 1, 1, 30, 30, 8, 8, "cpu")
+    assert b is not a
+    assert torch.equal(b.classes(), _kernel_view(reference_classes(mod, 1, 1, 30, 30, 8, 8), 30, 8))
+
+
+def _cpu_qkv(dtype=torch.bfloat16):
+    """CPU tensors that report cuda:0 (validation reads only .device)."""
+    return tuple(fake_cuda(torch.randn(1, 64, 2, 64, dtype=dtype)) for _ in range(3))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(mask_mod=masks.causal(), causal=True), ValueError, "replace causal"),
+    (dict(mask_mod=masks.causal(), window_size=(3, 0)), ValueError, "replace causal"),
+    (dict(mask_mod=masks.causal(), softcap=5.0), ValueError, "replace causal"),
+    (dict(block_mask=None, aux_tensors=(torch.zeros(3),)), ValueError, "go with a mask_mod"),
+    (dict(score_mod=masks.alibi([1.0, 2.0]), mask_mod=masks.causal(), aux_tensors=(torch.zeros(3),)), ValueError,
+     "plain-function"),
+    (dict(mask_mod=masks.alibi([1.0, 2.0])), TypeError, "expected a mask mod"),
+    (dict(mask_mod=lambda b, h, q: q), TypeError, "positional"),
+    (dict(mask_mod=masks.causal(), aux_tensors=[1]), ValueError, "plain-function"),
+])
+def test_api_rejects_bad_mod_arguments(kwargs, error, match, monkeypatch):
+    monkeypatch.setattr(cute_attn.api, "_launcher_module", LauncherTrap(" on bad mod arguments"))
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    q, k, v = _cpu_qkv()
+    with pytest.raises(error, match=match):
+        cute_attn.mha(q, k, v, **kwargs)
+
+
+def test_mod_kernels_compile_per_mod_not_per_value():
+    """Compiles the BD3LM and document kernels on the CPU (sm_90a); two block sizes are two
+    keys, two id tensors one."""
+    from cute_attn.config import AttnFeatures, mod_fwd_config_for
+    from cute_attn.launcher import FwdKey, compile_fwd
+
+    a, b = masks.document(_doc_ids(1, 8, 0)), masks.document(_doc_ids(2, 9, 1))
+    assert a.spec == b.spec
+    assert masks.block_diffusion(4).spec != masks.block_diffusion(16).spec
+    cfg = mod_fwd_config_for(128)
+    for mask, score in ((masks.block_diffusion(16), None), (masks.causal(), masks.alibi([1.0]))):
+        features = AttnFeatures(mask_mod=mask.spec, score_mod=None if score is None else score.spec)
+        fn = compile_fwd(FwdKey("bf16", 128, features, cfg), "--keep-ptx")
+        ptx = fn.__ptx__
+        assert "wgmma.mma_async" in ptx and "FlashFwdSm90Mods" in ptx
