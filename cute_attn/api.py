@@ -2,11 +2,12 @@
 autograd, a torch.autograd.Function runs the backward kernels."""
 
 import math
-from typing import Literal, Optional, Union, overload
+from typing import Callable, Literal, Optional, Sequence, Union, overload
 
 import torch
 from torch import Tensor
 
+from cute_attn.block_mask import BlockMask
 from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, FP8, FP8_POLICY_OF_OUTPUT, UNBOUNDED, AttnFeatures, RunArgs, attn_features
 from cute_attn.validation import (
     _is_compiling,
@@ -31,17 +32,23 @@ _TensorPair = tuple[Tensor, Tensor]
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: Literal[False] = ...,
         deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
-        v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...) -> Tensor: ...
+        v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...,
+        mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ..., aux_tensors: Sequence[Tensor] = ...,
+        block_mask: Optional[BlockMask] = ...) -> Tensor: ...
 @overload
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: Literal[True],
         deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
-        v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...) -> _TensorPair: ...
+        v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...,
+        mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ..., aux_tensors: Sequence[Tensor] = ...,
+        block_mask: Optional[BlockMask] = ...) -> _TensorPair: ...
 @overload
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: bool,
         deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
-        v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...) -> Union[Tensor, _TensorPair]: ...
+        v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...,
+        mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ..., aux_tensors: Sequence[Tensor] = ...,
+        block_mask: Optional[BlockMask] = ...) -> Union[Tensor, _TensorPair]: ...
 
 
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
@@ -49,7 +56,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         softcap: float = 0.0, return_lse: bool = False,
         deterministic: bool = False, q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
         v_descale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-        mask_mod=None, score_mod=None, aux_tensors=(), block_mask=None) -> Union[Tensor, _TensorPair]:
+        mask_mod: Optional[Callable] = None, score_mod: Optional[Callable] = None,
+        aux_tensors: Sequence[Tensor] = (), block_mask: Optional[BlockMask] = None) -> Union[Tensor, _TensorPair]:
     """Multi-head attention on an sm_90 (Hopper) GPU, differentiable.
 
     Args:
