@@ -129,12 +129,7 @@ def _fake_fwd_args(key: FwdKey):
         return _fake_fp8_fwd_args(key, n)
     if key.features.has_mods:
         return _fake_mod_fwd_args(key, n)
-    q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
-    # a paged cache's batch mode counts pages, not the queries' entries
-    kv_batch = cute.sym_int32(symbol="num_pages") if key.config.page_size else n.batch
-    k, v = (_fake_bshd(key.dtype, kv_batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
-    o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o")
-    lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
+    q, k, v, o, lse = _fake_qkvo_lse(key, n)
     page_table = cute.runtime.make_fake_tensor(
         cutlass.Int32, (cute.sym_int32(symbol="pt_batch"), cute.sym_int32(symbol="max_pages")),
         stride=(cute.sym_int64(symbol="pt_stride0"), 1), assumed_align=4,
@@ -145,6 +140,19 @@ def _fake_fwd_args(key: FwdKey):
     o_part, lse_part = _fake_partials(n, d)
     return (*head, o_part, lse_part, _fake_cu_seqlens("tile_counters"), *_fake_run_args(), cutlass.Int32(1),
             _fake_stream())
+
+
+def _fake_qkvo_lse(key: FwdKey, n: "_Symbols"):
+    """The 16-bit forward's q, k, v, out and lse stand-ins (a paged cache's batch mode
+    counts pages, not the queries' entries)."""
+    import cutlass.cute as cute
+
+    d = key.head_dim
+    q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
+    kv_batch = cute.sym_int32(symbol="num_pages") if key.config.page_size else n.batch
+    k, v = (_fake_bshd(key.dtype, kv_batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
+    o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o")
+    return q, k, v, o, _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
 
 
 def _fake_fp8_fwd_args(key: FwdKey, n: "_Symbols"):
@@ -183,11 +191,7 @@ def _fake_mod_fwd_args(key: FwdKey, n: "_Symbols"):
     import cutlass
     import cutlass.cute as cute
 
-    d = key.head_dim
-    q = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "q")
-    k, v = (_fake_bshd(key.dtype, n.batch, n.seqlen_k, n.heads_kv, d, name) for name in ("k", "v"))
-    o = _fake_bshd(key.dtype, n.batch, n.seqlen_q, n.heads, d, "o")
-    lse = _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse")
+    q, k, v, o, lse = _fake_qkvo_lse(key, n)
     tiles_m, tiles_n = cute.sym_int32(symbol="tiles_m"), cute.sym_int32(symbol="tiles_n")
 
     def any_strides(dtype, shape, name, align=4):
@@ -493,8 +497,8 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
         else:
             bm.check_block_mask(block_mask, mask_mod, batch, heads, seqlen_q, seqlen_k, config.tile_m, config.tile_n)
         lists = block_mask.kernel_tensors()
-    else:
-        unused = torch.zeros((1, 1, 1, 1), dtype=torch.int32, device=q.device)
+    else:  # a score mod alone visits every tile: the lists are never read
+        unused = _placeholder(q.device, (1, 1, 1, 1))
         lists = (unused[..., 0].expand(batch, heads, 1), unused.expand(batch, heads, 1, 1)) * 2
     aux = tuple(t for mod in (mask_mod, score_mod) if mod is not None for t in mod.aux)
     aux = aux or (_unused_cu_seqlens(q.device),)

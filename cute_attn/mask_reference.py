@@ -21,10 +21,9 @@ from typing import NamedTuple
 
 import torch
 
+from cute_attn.block_mask import EMPTY, FULL, PARTIAL  # noqa: F401  (the classes: one definition)
 from cute_attn.masks import Modifier, SeqInfo
 from cute_attn.validation import validate_gqa_heads
-
-EMPTY, PARTIAL, FULL = 0, 1, 2  # block_mask classes
 
 
 def index_grids(batch, heads, seqlen_q, seqlen_k, device=None, offset_q=0, offset_k=0):

@@ -104,6 +104,7 @@ class ModSpec:
         self.aux_signature = aux_signature  # ((torch dtype, ndim), ...) of the aux tensors
         # names the kernel in compile_cache's on-disk key (which hashes the key's repr)
         self.digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        self._hash = hash(key)  # the key holds bytecode: hash it once, not per lookup
 
     def __call__(self, *args, seq: SeqInfo):
         return self.fn(*args, seq) if self.takes_seq else self.fn(*args)
@@ -112,7 +113,7 @@ class ModSpec:
         return isinstance(other, ModSpec) and other.key == self.key
 
     def __hash__(self):
-        return hash(self.key)
+        return self._hash
 
     def __repr__(self):
         return f"ModSpec({self.kind}, {self.name}, {self.digest})"

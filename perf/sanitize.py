@@ -110,6 +110,11 @@ CASES = (
          backward=False),
     Case("fp8-varlen-causal", dtype="fp8", nheads=4, nheads_kv=2, causal=True, backward=False,
          lengths=((0, 40), (150, 200), (277, 129))),
+    # mask / score mods (FlashFwdSm90Mods: block-mask lists, aux tensors read per element)
+    Case("mods-bd3lm-gqa", seqlen_q=302, seqlen_k=302, nheads=4, nheads_kv=2, backward=False,
+         extra={"mods": "bd3lm"}),
+    Case("mods-document-alibi-hd64", head_dim=64, seqlen_q=333, backward=False, extra={"mods": "document_alibi"}),
+    Case("mods-empty-rows-hd256", head_dim=256, seqlen_q=333, backward=False, extra={"mods": "empty_rows"}),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -189,6 +194,8 @@ def run_case(case):
     if case.kvcache:
         run_kvcache_case(case, randn)
         return
+    if case.extra.get("mods"):
+        kwargs = mod_kwargs(case, gen)
     if case.lengths is None:
         q = randn(case.batch, case.seqlen_q, h, d)
         k, v = randn(case.batch, case.seqlen_k, hk, d), randn(case.batch, case.seqlen_k, hk, d)
@@ -223,6 +230,22 @@ def run_case(case):
     if case.backward:
         torch.autograd.grad(out, tensors, torch.randn_like(out))
     torch.cuda.synchronize()
+
+
+def mod_kwargs(case, gen):
+    """mha's mask_mod / score_mod arguments of a mods case (self-attention lengths)."""
+    import torch
+
+    from cute_attn import masks
+
+    which = case.extra["mods"]
+    if which == "bd3lm":
+        return dict(mask_mod=masks.block_diffusion(16))
+    if which == "document_alibi":
+        ids = (torch.rand(case.batch, case.seqlen_k, device="cuda", generator=gen) < 0.02).cumsum(1).to(torch.int32)
+        slopes = torch.rand(case.nheads, device="cuda", generator=gen)
+        return dict(mask_mod=masks.document(ids, causal=True), score_mod=masks.alibi(slopes))
+    return dict(mask_mod=lambda b, h, q, kv: (q % 7 != 3) & (kv <= q))
 
 
 def run_kvcache_case(case, randn):
