@@ -98,7 +98,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             sliding_window, alibi), compiled into the forward kernel: a new mod function
             compiles once, new lengths or aux values never recompile. A mod replaces
             causal / window_size / softcap (write them as mods: masks.causal(),
-            masks.and_masks(...)). Forward only for now (no autograd), dense batches.
+            masks.and_masks(...)). Forward and backward (the backward differentiates
+            score_mod itself, masks.Dual; not with deterministic=True), dense batches.
         aux_tensors: tensors a plain-function mod reads as seq.aux[i] (the built-ins
             carry their own); on q's device.
         block_mask: cute_attn.create_block_mask(mask_mod, ...) for this shape, built
@@ -133,14 +134,15 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
     if mask_mod is not None or score_mod is not None or block_mask is not None or aux_tensors:
         return _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask,
-                         return_lse, no_kernel)
+                         return_lse, deterministic, no_kernel)
     features, run_args = _features_and_args(causal, window, softcap, scale)
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
 def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask, return_lse,
-              no_kernel):
-    """The forward with mask/score mods (kernels/fwd_sm90.FlashFwdSm90Mods)."""
+              deterministic, no_kernel):
+    """Attention with mask/score mods (kernels/fwd_sm90.FlashFwdSm90Mods, and under
+    autograd kernels/bwd_sm90.FlashBwdSm90Mods)."""
     from cute_attn.masks import Modifier
 
     if causal or window != _NO_WINDOW or softcap != 0.0:
@@ -167,8 +169,13 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
     if _traced(q):
         raise NotImplementedError("mask/score mods have no torch.compile op yet: call mha eagerly")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError("the backward with mask/score mods is not implemented yet: call the forward "
-                                  "under torch.no_grad() or with inputs that do not require grad")
+        if deterministic:
+            raise NotImplementedError("deterministic=True has no backward with mask/score mods yet (its dQ order "
+                                      "assumes contiguous tile ranges, a block mask's lists are not)")
+        run_args = RunArgs(scale)
+        settings = _AttentionSettings(features, run_args, False, no_kernel, mods=(mask, score, block_mask))
+        out, lse = _AttentionFunction.apply(q, k, v, settings)
+        return (out, lse) if return_lse else out
     if no_kernel:
         out, lse = _outputs_without_kernel(q, features)
     else:
@@ -389,13 +396,14 @@ def _outputs_without_kernel(q, features, out_dtype=None):
 class _AttentionSettings:
     """The non-tensor arguments of one attention call, carried to the backward."""
 
-    __slots__ = ("features", "run_args", "deterministic", "no_kernel")
+    __slots__ = ("features", "run_args", "deterministic", "no_kernel", "mods")
 
-    def __init__(self, features: AttnFeatures, run_args, deterministic: bool, no_kernel=False):
+    def __init__(self, features: AttnFeatures, run_args, deterministic: bool, no_kernel=False, mods=None):
         self.features = features
         self.run_args = run_args
         self.deterministic = deterministic
         self.no_kernel = no_kernel  # empty q or no keys: _outputs_without_kernel
+        self.mods = mods  # (mask_mod, score_mod, block_mask): masks.Modifier / BlockMask or None
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -403,6 +411,8 @@ class _AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, settings):
         if settings.no_kernel:
             out, lse = _outputs_without_kernel(q, settings.features)
+        elif settings.mods is not None:
+            out, lse = _launcher().run_fwd_mods(q, k, v, settings.features, settings.run_args, *settings.mods)
         else:
             out, lse = _launcher().run_fwd(q, k, v, settings.features, settings.run_args)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -417,9 +427,10 @@ class _AttentionFunction(torch.autograd.Function):
         if s.no_kernel:
             # out is 0 (or empty) whatever q, k, v are: zero gradients of their shapes
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+        mods = {} if s.mods is None else {"mods": s.mods[:2]}
         dq, dk, dv = _launcher().run_bwd(
             prepare_dout(dout, out), q, k, v, out, lse, s.features, s.run_args,
-            deterministic=s.deterministic,
+            deterministic=s.deterministic, **mods,
         )
         return dq, dk, dv, None
 

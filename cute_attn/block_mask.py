@@ -13,8 +13,10 @@ is classified:
 - PARTIAL: the rest: computed, then the mod is evaluated per element (and keys past the
   end are masked).
 
-Per query tile the kernel gets two lists, the PARTIAL KV tiles and the FULL ones, each
-from the last tile to the first (the order of the dense kernel). The layout is
+Per query tile the forward gets two lists, the PARTIAL KV tiles and the FULL ones, each
+from the last tile to the first (the order of the dense kernel). The backward walks the
+other way, per KV tile its query tiles (first to last), at its own tile shape: a
+transposed BlockMask, which mha builds (and caches) itself. The layout is
 FlexAttention's (kv_num_blocks / kv_indices and full_kv_num_blocks / full_kv_indices),
 the classes are mask_reference.block_mask's, which tests/test_block_mask_*.py hold it
 to. A mod that ignores the batch or head index gets lists of batch (or heads) 1, expanded
@@ -45,7 +47,9 @@ class BlockMask(NamedTuple):
 
     partial_count, full_count: int32 (B', H', tiles_m); partial_idx, full_idx: int32
     (B', H', tiles_m, tiles_n), the first count entries of a row are KV tiles, last to
-    first; the rest -1. B' is batch or 1 (the mod ignores b), H' heads or 1."""
+    first; the rest -1. B' is batch or 1 (the mod ignores b), H' heads or 1.
+    transposed (the backward's): per KV tile its query tiles, first to last, so the
+    lists are (B', H', tiles_n[, tiles_m])."""
 
     partial_count: torch.Tensor
     partial_idx: torch.Tensor
@@ -58,6 +62,7 @@ class BlockMask(NamedTuple):
     tile_m: int
     tile_n: int
     mod_key: tuple
+    transposed: bool = False
 
     def kernel_tensors(self):
         """The four lists expanded to (batch, heads, ...) (stride 0 where B' or H' is 1)."""
@@ -67,14 +72,15 @@ class BlockMask(NamedTuple):
 
     def classes(self) -> torch.Tensor:
         """int8 (B', H', tiles_m, tiles_n) of EMPTY / PARTIAL / FULL (for tests and plots)."""
-        tiles_n = self.partial_idx.shape[-1]
+        inner = self.partial_idx.shape[-1]
         # one spare column takes the writes of the unlisted (-1) entries
-        out = torch.zeros(*self.partial_idx.shape[:-1], tiles_n + 1, dtype=torch.int8, device=self.partial_idx.device)
+        out = torch.zeros(*self.partial_idx.shape[:-1], inner + 1, dtype=torch.int8, device=self.partial_idx.device)
         for idx, count, cls in ((self.partial_idx, self.partial_count, PARTIAL), (self.full_idx, self.full_count, FULL)):
-            listed = torch.arange(tiles_n, device=idx.device) < count.unsqueeze(-1)
-            target = torch.where(listed, idx, tiles_n).long()
+            listed = torch.arange(inner, device=idx.device) < count.unsqueeze(-1)
+            target = torch.where(listed, idx, inner).long()
             out.scatter_(-1, target, torch.full_like(target, cls, dtype=torch.int8))
-        return out[..., :tiles_n]
+        out = out[..., :inner]
+        return out.transpose(-1, -2) if self.transposed else out
 
     def sparsity(self) -> float:
         """The fraction of (query tile, KV tile) pairs skipped (EMPTY)."""
@@ -94,22 +100,26 @@ def _depends(mod: Modifier, batch: int, heads: int, seq: SeqInfo, device):
     return shape[0] != 1, shape[1] != 1
 
 
-def _lists(classes: torch.Tensor, cls: int):
-    """(count, idx) of the tiles of class cls in each row of classes, last to first."""
-    tiles_n = classes.shape[-1]
-    position = torch.arange(tiles_n, device=classes.device).expand_as(classes)
+def _lists(classes: torch.Tensor, cls: int, descending: bool):
+    """(count, idx) of the tiles of class cls in each row of classes, last to first
+    (descending) or first to last, then -1."""
+    inner = classes.shape[-1]
+    position = torch.arange(inner, device=classes.device).expand_as(classes)
     hit = classes == cls
-    keys = torch.where(hit, position, torch.full_like(position, -1))
-    order = torch.sort(keys, dim=-1, descending=True).values
+    # the unlisted sort after the listed either way, then become -1
+    keys = torch.where(hit, position, torch.full_like(position, -1 if descending else inner))
+    order = torch.sort(keys, dim=-1, descending=descending).values
     count = hit.sum(dim=-1, dtype=torch.int32)
+    order = torch.where(order == inner, -1, order)
     return count, order.to(torch.int32)
 
 
 @torch.no_grad()
 def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int,
-                     device=None) -> BlockMask:
+                     device=None, transposed: bool = False) -> BlockMask:
     """Classify every tile of mask_mod (a masks.Modifier or a plain function) at this
-    shape, on device (the aux tensors' device by default), and return its tile lists."""
+    shape, on device (the aux tensors' device by default), and return its tile lists
+    (transposed: the backward's, per KV tile)."""
     mod = Modifier.of("mask", mask_mod)
     if min(batch, heads, seqlen_q, seqlen_k) < 0 or min(tile_m, tile_n) < 1:
         raise ValueError(f"bad block-mask shape {(batch, heads, seqlen_q, seqlen_k)} / tile {(tile_m, tile_n)}")
@@ -146,27 +156,30 @@ def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: 
         # length that is not a multiple of tile_n cannot be FULL
         last = classes[..., -1]
         last[last == FULL] = PARTIAL
-    partial_count, partial_idx = _lists(classes, PARTIAL)
-    full_count, full_idx = _lists(classes, FULL)
+    if transposed:
+        classes = classes.transpose(-1, -2)
+    partial_count, partial_idx = _lists(classes, PARTIAL, descending=not transposed)
+    full_count, full_idx = _lists(classes, FULL, descending=not transposed)
     return BlockMask(partial_count, partial_idx, full_count, full_idx, batch, heads, seqlen_q, seqlen_k,
-                     tile_m, tile_n, mod.key)
+                     tile_m, tile_n, mod.key, transposed)
 
 
 _cache: "OrderedDict[tuple, BlockMask]" = OrderedDict()
 _CACHE_SIZE = 64
 
 
-def cached_block_mask(mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device) -> BlockMask:
+def cached_block_mask(mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device,
+                      transposed: bool = False) -> BlockMask:
     """build_block_mask, remembered per (mod key, aux tensors' storage and version, shape,
     tiles, device): a model calling mha with one mask in every layer builds it once. An
     aux tensor modified in place (its version changes) builds anew."""
     aux_id = tuple((t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride())) for t in mod.aux)
-    key = (mod.key, aux_id, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, str(device))
+    key = (mod.key, aux_id, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, str(device), transposed)
     found = _cache.get(key)
     if found is not None:
         _cache.move_to_end(key)
         return found
-    block_mask = build_block_mask(mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device)
+    block_mask = build_block_mask(mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device, transposed)
     _cache[key] = block_mask
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
@@ -183,6 +196,8 @@ def check_block_mask(block_mask: BlockMask, mod: Modifier, batch, heads, seqlen_
     if got != want:
         raise ValueError(f"block_mask was built for (batch, heads, seqlen_q, seqlen_k, tile_m, tile_n) = {got}, "
                          f"this call needs {want}")
+    if block_mask.transposed:
+        raise ValueError("block_mask is a backward (transposed) block mask; pass the forward's (create_block_mask)")
     if block_mask.mod_key != mod.key:
         raise ValueError(f"block_mask was built for another mask mod than {mod.name!r}")
 

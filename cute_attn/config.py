@@ -416,8 +416,9 @@ def bwd_config_for(head_dim: int, features: AttnFeatures) -> BwdConfig:
     the dK/dV accumulators are small enough for 128 query rows per step (S^T and dP^T of
     64 x 128 per warpgroup), which halves the per-step barriers and waits against the
     GEMM work; the window's second masked loop and the softcap's tanh spill there
-    (36-108 bytes, ptxas), so those keep 64 rows. perf/NOTES.md has the A/B."""
-    if head_dim <= 64 and not (features.local or features.softcap):
+    (36-108 bytes, ptxas), so those and the mods (per-element work of the same kind)
+    keep 64 rows. perf/NOTES.md has the A/B."""
+    if head_dim <= 64 and not (features.local or features.softcap or features.has_mods):
         return BwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim > 128:
         # Correct, not fast: head_dim / 64 CTAs per KV block each recompute S and dP

@@ -183,32 +183,43 @@ def _fake_fp8_fwd_args(key: FwdKey, n: "_Symbols"):
             *_fake_run_args(), _fake_stream())
 
 
-def _fake_mod_fwd_args(key: FwdKey, n: "_Symbols"):
-    """FlashFwdSm90Mods's arguments: the dense forward's tensors, the block mask's four
-    int32 lists (any strides: a mask that ignores the batch or head is expanded with
-    stride 0) and the mods' aux tensors (the dtype and rank each mod was keyed with;
-    one int32 stand-in when there are none)."""
+def _fake_any_strides(dtype, shape, name, align=4):
+    import cutlass.cute as cute
+
+    strides = tuple(cute.sym_int64(symbol=f"{name}_stride{i}") for i in range(len(shape)))
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=strides, assumed_align=align)
+
+
+def _fake_block_mask_and_aux(features: AttnFeatures, n: "_Symbols"):
+    """The mod kernels' extra arguments: a block mask's four int32 lists (any strides: a
+    mask that ignores the batch or head is expanded with stride 0; (batch, heads, outer
+    tiles[, inner tiles]), forward or transposed alike) and the mods' aux tensors (the
+    dtype and rank each mod was keyed with; one int32 stand-in when there are none)."""
     import cutlass
     import cutlass.cute as cute
 
-    q, k, v, o, lse = _fake_qkvo_lse(key, n)
-    tiles_m, tiles_n = cute.sym_int32(symbol="tiles_m"), cute.sym_int32(symbol="tiles_n")
-
-    def any_strides(dtype, shape, name, align=4):
-        strides = tuple(cute.sym_int64(symbol=f"{name}_stride{i}") for i in range(len(shape)))
-        return cute.runtime.make_fake_tensor(dtype, shape, stride=strides, assumed_align=align)
-
-    lists = (any_strides(cutlass.Int32, (n.batch, n.heads, tiles_m), "partial_count"),
-             any_strides(cutlass.Int32, (n.batch, n.heads, tiles_m, tiles_n), "partial_idx"),
-             any_strides(cutlass.Int32, (n.batch, n.heads, tiles_m), "full_count"),
-             any_strides(cutlass.Int32, (n.batch, n.heads, tiles_m, tiles_n), "full_idx"))
-    signature = [sig for mod in (key.features.mask_mod, key.features.score_mod) if mod is not None
+    outer, inner = cute.sym_int32(symbol="tiles_outer"), cute.sym_int32(symbol="tiles_inner")
+    lists = (_fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer), "partial_count"),
+             _fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer, inner), "partial_idx"),
+             _fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer), "full_count"),
+             _fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer, inner), "full_idx"))
+    signature = [sig for mod in (features.mask_mod, features.score_mod) if mod is not None
                  for sig in mod.aux_signature] or [(torch.int32, 1)]
     aux = tuple(
-        any_strides(getattr(cutlass, _dsl_type_name(dtype)), tuple(cute.sym_int32(symbol=f"aux{i}_dim{j}")
-                                                              for j in range(ndim)), f"aux{i}", dtype.itemsize)
+        _fake_any_strides(getattr(cutlass, _dsl_type_name(dtype)),
+                          tuple(cute.sym_int32(symbol=f"aux{i}_dim{j}") for j in range(ndim)), f"aux{i}", dtype.itemsize)
         for i, (dtype, ndim) in enumerate(signature)
     )
+    return lists, aux
+
+
+def _fake_mod_fwd_args(key: FwdKey, n: "_Symbols"):
+    """FlashFwdSm90Mods's arguments: the dense forward's tensors, then the block mask and
+    the aux tensors (_fake_block_mask_and_aux)."""
+    import cutlass
+
+    q, k, v, o, lse = _fake_qkvo_lse(key, n)
+    lists, aux = _fake_block_mask_and_aux(key.features, n)
     return (q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), *lists, aux,
             cutlass.Int32(0), cutlass.Float32(1.0), _fake_stream())
 
@@ -482,30 +493,37 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
     """The forward with mods on validated dense inputs: mask_mod, score_mod masks.Modifier
     or None (their specs are features'), block_mask a block_mask.BlockMask for mask_mod
     at this shape (None: built once per (mask, shape) and cached). Returns (out, lse)."""
-    from cute_attn import block_mask as bm
     from cute_attn.config import mod_fwd_config_for
 
     head_dim = q.shape[-1]
     config = mod_fwd_config_for(head_dim)
     fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config))
+    lists, aux = _mod_arguments(q, k, config.tile_m, config.tile_n, mask_mod, score_mod, block_mask)
+    out, lse = _outputs(q, features, need_lse)
+    unused = _unused_cu_seqlens(q.device)
+    fn(q, k, v, out, lse, unused, unused, *lists, aux, 0, args.softmax_scale)
+    return out, (lse if need_lse else None)
+
+
+def _mod_arguments(q, k, tile_m, tile_n, mask_mod, score_mod, block_mask=None, transposed=False):
+    """The mod kernels' block-mask lists (block_mask checked, or built and cached at these
+    tiles; transposed for the backward) and aux tensors (the mask mod's first)."""
+    from cute_attn import block_mask as bm
+
     batch, seqlen_q, heads = q.shape[:3]
     seqlen_k = k.shape[1]
     if mask_mod is not None:
         if block_mask is None:
-            block_mask = bm.cached_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, config.tile_m,
-                                              config.tile_n, q.device)
+            block_mask = bm.cached_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, q.device,
+                                              transposed)
         else:
-            bm.check_block_mask(block_mask, mask_mod, batch, heads, seqlen_q, seqlen_k, config.tile_m, config.tile_n)
+            bm.check_block_mask(block_mask, mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n)
         lists = block_mask.kernel_tensors()
     else:  # a score mod alone visits every tile: the lists are never read
         unused = _placeholder(q.device, (1, 1, 1, 1))
         lists = (unused[..., 0].expand(batch, heads, 1), unused.expand(batch, heads, 1, 1)) * 2
     aux = tuple(t for mod in (mask_mod, score_mod) if mod is not None for t in mod.aux)
-    aux = aux or (_unused_cu_seqlens(q.device),)
-    out, lse = _outputs(q, features, need_lse)
-    unused = _unused_cu_seqlens(q.device)
-    fn(q, k, v, out, lse, unused, unused, *lists, aux, 0, args.softmax_scale)
-    return out, (lse if need_lse else None)
+    return lists, aux or (_unused_cu_seqlens(q.device),)
 
 
 class _Plan(NamedTuple):
@@ -868,10 +886,15 @@ def _fake_bwd_args(key: BwdKey):
     cu_q, cu_k = _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k")
     stream = _fake_stream()
     max_seqlen, scale, softcap, wl, wr = _fake_run_args()
+    main = (q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, cu_q, cu_k)
+    if key.features.has_mods:
+        lists, aux = _fake_block_mask_and_aux(key.features, n)
+        main = (*main, *lists, aux, max_seqlen, scale, stream)
+    else:
+        main = (*main, max_seqlen, scale, softcap, wl, wr, stream)
     return (
         (o, do, lse, lse2, dsum, cu_q, max_seqlen, stream),
-        (q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, cu_q, cu_k, max_seqlen,
-         scale, softcap, wl, wr, stream),
+        main,
         (dq_accum, dq, cu_q, max_seqlen, scale, stream),
     )
 
@@ -880,14 +903,14 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
     """Compile the three backward kernels of one specialisation; returns the TVM-FFI
     callables (preprocess, main, postprocess)."""
     from cute_attn.kernels.bwd_prepost import BwdPostprocess, BwdPreprocess
-    from cute_attn.kernels.bwd_sm90 import FlashBwdSm90
+    from cute_attn.kernels.bwd_sm90 import FlashBwdSm90, FlashBwdSm90Mods
 
     _check_capability("bwd", key)
     dtypes, cfg, features = DTYPES[key.dtype], key.config, key.features
     pre_args, main_args, post_args = _fake_bwd_args(key)
     pre = _compile(BwdPreprocess(dtypes, key.head_dim, cfg, features), pre_args, extra_options, key)
-    main = _compile(FlashBwdSm90(dtypes, key.head_dim, features, cfg, key.deterministic), main_args,
-                    extra_options, key)
+    cls = FlashBwdSm90Mods if features.has_mods else FlashBwdSm90
+    main = _compile(cls(dtypes, key.head_dim, features, cfg, key.deterministic), main_args, extra_options, key)
     post = _compile(BwdPostprocess(dtypes, key.head_dim, cfg, features), post_args, extra_options, key)
     return pre, main, post
 
@@ -907,10 +930,13 @@ def run_bwd(
     args: RunArgs,
     deterministic: bool = False,
     config: Optional[BwdConfig] = None,
+    mods: Optional[tuple] = None,
 ):
     """Gradients (dq, dk, dv) of the forward that produced (out, lse), each laid out like
     its input. dout must be TMA-addressable like q (validation.prepare_dout). features and
-    args as for run_fwd."""
+    args as for run_fwd; mods: (mask_mod, score_mod) masks.Modifier or None, as for
+    run_fwd_mods (dense inputs, not deterministic); the backward's block mask is built
+    and cached here."""
     head_dim = q.shape[-1]
     if config is None:
         config = bwd_config_for(head_dim, features)
@@ -943,8 +969,13 @@ def run_bwd(
     else:
         semaphore = _unused_semaphore(q.device)
     pre(out, dout, lse, lse2, dsum, cu_q, args.max_seqlen_q)
-    main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, args.max_seqlen_k,
-         args.softmax_scale, args.softcap, args.window[0], args.window[1])
+    if mods is None:
+        main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, args.max_seqlen_k,
+             args.softmax_scale, args.softcap, args.window[0], args.window[1])
+    else:
+        lists, aux = _mod_arguments(q, k, config.tile_m, config.tile_n, *mods, transposed=True)
+        main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, *lists, aux, args.max_seqlen_k,
+             args.softmax_scale)
     post(dq_accum, dq4, cu_q, args.max_seqlen_q, args.softmax_scale)
     return dq, dk, dv
 

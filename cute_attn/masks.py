@@ -29,10 +29,19 @@ block size, a window) are compile-time constants: they go into the kernel's cach
 
 A ``Modifier`` binds a function to its aux tensors; the built-ins below return one, and
 ``Modifier.of`` wraps a plain function (with ``aux_tensors``) the same way.
+
+The backward differentiates a score mod itself (no paired score_mod_bwd): the kernel
+traces the body once more with the score as a ``Dual`` number (its value and its
+derivative with respect to the score), so ``+ - * /`` with constants, index expressions
+and aux reads carry the derivative along (forward-mode differentiation at trace time,
+nothing at run time but the arithmetic). Beyond arithmetic a score mod may call
+``tanh`` (a logit softcap); any other function of the score cannot be differentiated
+and fails the backward's compile with a message naming the mod.
 """
 
 import hashlib
 import inspect
+import math
 import types
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -56,9 +65,81 @@ def as_float(x):
     """An integer index expression as float32, in torch and in a kernel alike."""
     if isinstance(x, torch.Tensor):
         return x.to(torch.float32)
+    if isinstance(x, int):
+        return float(x)
     from cutlass import Float32
 
     return Float32(x)
+
+
+class Dual:
+    """A score and its derivative d(value)/d(score), for the backward's trace of a score
+    mod (see the module docstring). value and grad are DSL Float32 (grad may be a Python
+    float where it is a constant, which keeps it out of the kernel); anything else in an
+    expression (an index, an aux value, a Python number) is a constant."""
+
+    __slots__ = ("value", "grad")
+
+    def __init__(self, value, grad=1.0):
+        self.value, self.grad = value, grad
+
+    @staticmethod
+    def parts(x):
+        return (x.value, x.grad) if isinstance(x, Dual) else (x, 0.0)
+
+    def __add__(self, other):
+        v, g = Dual.parts(other)
+        return Dual(self.value + v, self.grad + g if isinstance(other, Dual) else self.grad)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        v, g = Dual.parts(other)
+        return Dual(self.value - v, self.grad - g if isinstance(other, Dual) else self.grad)
+
+    def __rsub__(self, other):
+        return Dual(other - self.value, -self.grad)
+
+    def __neg__(self):
+        return Dual(-self.value, -self.grad)
+
+    def __mul__(self, other):
+        if not isinstance(other, Dual):
+            return Dual(self.value * other, self.grad * other)
+        return Dual(self.value * other.value, self.grad * other.value + self.value * other.grad)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        if not isinstance(other, Dual):
+            return Dual(self.value / other, self.grad / other)
+        quotient = self.value / other.value
+        return Dual(quotient, (self.grad - quotient * other.grad) / other.value)
+
+    def __rtruediv__(self, other):
+        quotient = other / self.value
+        return Dual(quotient, -quotient * self.grad / self.value)
+
+    def _undifferentiable(self, *args):
+        raise TypeError("a score mod's backward differentiates it through + - * / and masks.tanh only; "
+                        "comparisons, selects and other functions of the score are not supported")
+
+    __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __pow__ = __rpow__ = __abs__ = _undifferentiable
+
+
+def tanh(x):
+    """tanh in a mod body: on torch tensors, on a kernel's Float32, and on the backward's
+    Dual (derivative 1 - tanh^2)."""
+    if isinstance(x, torch.Tensor):
+        return torch.tanh(x)
+    if isinstance(x, Dual):
+        t = tanh(x.value)
+        return Dual(t, x.grad * (1.0 - t * t))
+    if isinstance(x, (int, float)):
+        return math.tanh(x)
+    import cutlass.cute as cute
+
+    return cute.math.tanh(x, fastmath=True)
 
 
 def _identity(value, where: str):
@@ -358,6 +439,19 @@ def or_masks(*mask_mods):
 # ----------------------------------------------------------------------------------------
 # Score mods
 # ----------------------------------------------------------------------------------------
+
+
+def softcap(cap):
+    """Gemma 2's logit softcap as a score mod: cap * tanh(score / cap) (mha's softcap=,
+    for combining with a mask mod)."""
+    if not isinstance(cap, (int, float)) or cap <= 0:
+        raise ValueError(f"softcap must be a positive number, got {cap!r}")
+    cap = float(cap)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return tanh(score * (1.0 / cap)) * cap
+
+    return Modifier("score", softcap, (), f"softcap_{cap}")
 
 
 def alibi(slopes):

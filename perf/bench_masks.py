@@ -13,10 +13,13 @@ and FlexAttention (its create_block_mask) alike; their build times are recorded.
 count the visible pairs only (4 * d per visible (query, key) pair and head), so a kernel
 that skips masked tiles is not credited for work it avoids; `causal_tflops` is cute_attn's
 own causal kernel at the same shape (its FLOPs: the causal pairs), the yardstick of the
-issue's "within 0.85x of cute_attn's causal" target. Timing: perf/harness.py's interleaved
-rounds, median of rounds. The backward is not run yet (the mods have no backward kernel).
+issue's "within 0.85x of cute_attn's causal" target. The backward (keys prefixed bwd_) is
+timed alone: one forward keeps its graph, then autograd.grad of a fixed dout; its FLOPs
+are 2.5x the forward's (five GEMMs to two). Timing: perf/harness.py's interleaved rounds,
+median of rounds.
 
-    python3 perf/bench_masks.py [--rounds 3] [--cases bd,documents,prefix_lm,alibi] [--out DIR]
+    python3 perf/bench_masks.py [--rounds 3] [--cases bd,documents,prefix_lm,alibi]
+                                [--directions fwd,bwd] [--out DIR]
 """
 
 import argparse
@@ -110,7 +113,7 @@ def mods_for(c):
     return masks.causal(), masks.alibi(slopes), flex_causal, flex_alibi
 
 
-def run_case(c, rounds, impls):
+def run_case(c, rounds, impls, directions=("fwd", "bwd")):
     import torch
     from torch.nn.attention.flex_attention import create_block_mask as flex_block_mask
     from torch.nn.attention.flex_attention import flex_attention
@@ -136,12 +139,15 @@ def run_case(c, rounds, impls):
     torch.cuda.synchronize()
     rec["flex_block_mask_ms"] = 1e3 * (time.perf_counter() - t0)
 
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     flex = torch.compile(flex_attention)
-    calls = {
-        "cute_attn": lambda: cute_attn.mha(q, k, v, mask_mod=mask, score_mod=score, block_mask=bm),
-        "cute_attn_causal": lambda: cute_attn.mha(q, k, v, causal=True),
-        "flex": lambda: flex(qt, kt, vt, score_mod=flex_score, block_mask=fbm),
+
+    def bhsd(t):
+        return t.transpose(1, 2)
+
+    forwards = {
+        "cute_attn": lambda q_, k_, v_: cute_attn.mha(q_, k_, v_, mask_mod=mask, score_mod=score, block_mask=bm),
+        "cute_attn_causal": lambda q_, k_, v_: cute_attn.mha(q_, k_, v_, causal=True),
+        "flex": lambda q_, k_, v_: bhsd(flex(bhsd(q_), bhsd(k_), bhsd(v_), score_mod=flex_score, block_mask=fbm)),
     }
     if "sdpa_dense_mask" in impls and b * s * s <= 2 ** 31:
         if score is None:
@@ -151,43 +157,64 @@ def run_case(c, rounds, impls):
             zero = torch.zeros((), device="cuda")
             bias = score(zero, *grids, seq=seq_info(score, s, s, device="cuda"))
             attn_mask = bias.masked_fill(~visible, float("-inf")).to(torch.bfloat16)
-        calls["sdpa_dense_mask"] = lambda: torch.nn.functional.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=attn_mask)
-    calls = {n: f for n, f in calls.items() if n in impls or n == "cute_attn_causal"}
-    with torch.no_grad():
-        errors_first = {}
-        for name, fn in list(calls.items()):
+        forwards["sdpa_dense_mask"] = lambda q_, k_, v_: bhsd(torch.nn.functional.scaled_dot_product_attention(
+            bhsd(q_), bhsd(k_), bhsd(v_), attn_mask=attn_mask))
+    forwards = {n: f for n, f in forwards.items() if n in impls or n == "cute_attn_causal"}
+    rec["errors"] = {}
+    for direction in directions:
+        prefix = "" if direction == "fwd" else "bwd_"
+        calls = {}
+        for name, fwd in forwards.items():
             try:
-                fn()
+                calls[name] = _timed_call(direction, fwd, q, k, v)
+                calls[name]()
             except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
-                errors_first[name] = harness.reason(exc)
-                del calls[name]
+                rec["errors"][prefix + name] = harness.reason(exc)
+                calls.pop(name, None)
         harness.synchronize()
         timers = {name: (lambda fn=fn: harness.do_bench(fn)) for name, fn in calls.items()}
         ms_rounds, errors = harness.run_rounds(timers, rounds)
-    rec["errors"] = {**errors_first, **{n: harness.reason(e) for n, e in errors.items()}}
-    rec["ms_rounds"] = ms_rounds
-    for name, r in ms_rounds.items():
-        ms = harness.median_ms(r)
-        flops = 4.0 * d * (b * h * s * (s + 1) / 2 if name == "cute_attn_causal" else pairs)
-        rec[f"{name}_ms"] = ms
-        rec[f"{name}_tflops"] = harness.tflops(flops, ms)
-    cute = rec.get("cute_attn_ms")
-    for anchor in ("flex", "sdpa_dense_mask"):
-        if cute and rec.get(f"{anchor}_ms"):
-            rec[f"speedup_vs_{anchor}"] = rec[f"{anchor}_ms"] / cute
-    if rec.get("cute_attn_tflops") and rec.get("cute_attn_causal_tflops"):
-        rec["tflops_vs_own_causal"] = rec["cute_attn_tflops"] / rec["cute_attn_causal_tflops"]
-    line = f"{c['case']:38s} skip {rec['tiles_skipped']:.2f}"
-    for name in ("cute_attn", "flex", "sdpa_dense_mask", "cute_attn_causal"):
-        if f"{name}_ms" in rec:
-            line += f"  {name} {1e3 * rec[name + '_ms']:.0f} us {rec[name + '_tflops']:.0f} TF/s"
-    line += f"  vs flex {rec.get('speedup_vs_flex', float('nan')):.2f}x"
-    line += f"  vs own causal {rec.get('tflops_vs_own_causal', float('nan')):.2f}"
-    log(line)
+        rec["errors"].update({prefix + n: harness.reason(e) for n, e in errors.items()})
+        rec[prefix + "ms_rounds"] = ms_rounds
+        # the backward's five GEMMs against the forward's two: 2.5x the FLOPs
+        per_pair = 4.0 * d * (1.0 if direction == "fwd" else 2.5)
+        for name, r in ms_rounds.items():
+            ms = harness.median_ms(r)
+            flops = per_pair * (b * h * s * (s + 1) / 2 if name == "cute_attn_causal" else pairs)
+            rec[f"{prefix}{name}_ms"] = ms
+            rec[f"{prefix}{name}_tflops"] = harness.tflops(flops, ms)
+        cute = rec.get(f"{prefix}cute_attn_ms")
+        for anchor in ("flex", "sdpa_dense_mask"):
+            if cute and rec.get(f"{prefix}{anchor}_ms"):
+                rec[f"{prefix}speedup_vs_{anchor}"] = rec[f"{prefix}{anchor}_ms"] / cute
+        if rec.get(f"{prefix}cute_attn_tflops") and rec.get(f"{prefix}cute_attn_causal_tflops"):
+            rec[f"{prefix}tflops_vs_own_causal"] = rec[f"{prefix}cute_attn_tflops"] / rec[f"{prefix}cute_attn_causal_tflops"]
+        line = f"{direction} {c['case']:38s} skip {rec['tiles_skipped']:.2f}"
+        for name in ("cute_attn", "flex", "sdpa_dense_mask", "cute_attn_causal"):
+            if f"{prefix}{name}_ms" in rec:
+                line += f"  {name} {1e3 * rec[prefix + name + '_ms']:.0f} us {rec[prefix + name + '_tflops']:.0f} TF/s"
+        line += f"  vs flex {rec.get(prefix + 'speedup_vs_flex', float('nan')):.2f}x"
+        line += f"  vs own causal {rec.get(prefix + 'tflops_vs_own_causal', float('nan')):.2f}"
+        log(line)
     for name, why in rec["errors"].items():
         log(f"  {name}: {why}")
     return rec
+
+
+def _timed_call(direction, fwd, q, k, v):
+    """The call to time: the forward under no_grad, or the backward alone (one forward
+    with grad kept, then autograd.grad of a fixed random dout, graph retained)."""
+    import torch
+
+    if direction == "fwd":
+        def call():
+            with torch.no_grad():
+                return fwd(q, k, v)
+        return call
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    out = fwd(*leaves)
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
 def main(argv=None) -> int:
@@ -195,6 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", type=lambda t: harness.parse_names(t, CASE_GROUPS), default=list(CASE_GROUPS))
     p.add_argument("--impls", type=lambda t: harness.parse_names(t, ("cute_attn", "flex", "sdpa_dense_mask")),
                    default=["cute_attn", "flex", "sdpa_dense_mask"])
+    p.add_argument("--directions", type=lambda t: harness.parse_names(t, ("fwd", "bwd")), default=["fwd", "bwd"])
     p.add_argument("--rounds", type=harness.parse_positive_int, default=3)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -202,10 +230,13 @@ def main(argv=None) -> int:
     import torch
 
     torch._dynamo.config.cache_size_limit = 64  # one flex compile per mask and shape
+    # the backward is timed by repeated autograd.grad over one retained graph, which a
+    # compiled backward with donated buffers refuses
+    torch._functorch.config.donated_buffer = False
     device = torch.cuda.get_device_name()
     info = harness.run_info()
     log(harness.describe_run(device, info))
-    records = [run_case(c, args.rounds, args.impls) for c in cases(args.cases)]
+    records = [run_case(c, args.rounds, args.impls, args.directions) for c in cases(args.cases)]
     doc = harness.build_results(device, records, timing=harness.timing_method(args.rounds, "case"), **info)
     slug = harness.device_slug(device)
     for directory in harness.output_dirs(args.out):

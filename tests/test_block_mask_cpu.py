@@ -63,6 +63,19 @@ def test_builder_matches_brute_force(case, tile, monkeypatch):
                     c = int(count[b, h, m])
                     assert idx[b, h, m, :c].tolist() == want
                     assert (idx[b, h, m, c:] == -1).all()
+    # the backward's lists: per KV tile, each class's query tiles, first first, then -1
+    back = bm.build_block_mask(mod, batch, heads, sq, sk, *tile, device="cpu", transposed=True)
+    assert back.transposed and torch.equal(back.classes().expand(batch, heads, -1, -1), expected)
+    for lists, cls in (((back.partial_count, back.partial_idx), PARTIAL), ((back.full_count, back.full_idx), FULL)):
+        count, idx = (t.expand(batch, heads, *t.shape[2:]) for t in lists)
+        assert idx.shape == (batch, heads, tiles_n, tiles_m)
+        for b in range(batch):
+            for h in range(heads):
+                for n in range(tiles_n):
+                    want = [m for m in range(tiles_m) if expected[b, h, m, n] == cls]
+                    c = int(count[b, h, n])
+                    assert idx[b, h, n, :c].tolist() == want
+                    assert (idx[b, h, n, c:] == -1).all()
 
 
 def test_builder_keeps_batch_and_head_only_when_the_mod_reads_them():
@@ -133,3 +146,18 @@ def test_mod_kernels_compile_per_mod_not_per_value():
         fn = compile_fwd(FwdKey("bf16", 128, features, cfg), "--keep-ptx")
         ptx = fn.__ptx__
         assert "wgmma.mma_async" in ptx and "FlashFwdSm90Mods" in ptx
+
+
+def test_mod_backward_kernels_compile():
+    """The backward with mods compiles on the CPU (sm_90a): a mask mod walking the
+    transposed block mask, and a score mod differentiated through masks.Dual."""
+    from cute_attn.config import AttnFeatures, bwd_config_for
+    from cute_attn.launcher import BwdKey, compile_bwd
+
+    for mask, score in ((masks.block_diffusion(16), None), (masks.causal(), masks.softcap(30.0))):
+        features = AttnFeatures(mask_mod=mask.spec, score_mod=None if score is None else score.spec)
+        _, main, _ = compile_bwd(BwdKey("bf16", 128, features, bwd_config_for(128, features)), "--keep-ptx")
+        ptx = main.__ptx__
+        assert "wgmma.mma_async" in ptx and "FlashBwdSm90Mods" in ptx
+        if score is not None:
+            assert "tanh.approx.f32" in ptx

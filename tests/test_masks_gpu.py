@@ -181,3 +181,135 @@ def test_block_mask_tiles_are_the_kernels():
     q, k, v = _inputs(1, 1000, 1000, 2, 2, 128)
     with pytest.raises(ValueError, match="built for"):
         cute_attn.mha(q, k, v, mask_mod=masks.causal(), block_mask=wrong_shape)
+
+
+# ----------------------------------------------------------------------------------------
+# Backward (kernels/bwd_sm90.FlashBwdSm90Mods)
+# ----------------------------------------------------------------------------------------
+#
+# Rule (tests/gpu_checks.py's for the fixed masks): each gradient within 2x the error of
+# autograd through the same computation in the input dtype (_reference_lowp), plus 2x the
+# rounding of the fp32 gradient to the input dtype, plus 1e-3, plus 2x the D-rounding term
+# for dq and dk (gpu_checks.d_rounding_terms says why: D = rowsum(dO * O) is taken from
+# the kernel's rounded out). Gradients are poisoned before the call; rows that see no key
+# must get dq = 0, keys no row sees dk = dv = 0.
+
+GRAD_FLOOR = 1e-3
+
+
+def _grads_of(fn, q, k, v, dout, upcast):
+    leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    return torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+
+def _d_rounding_terms(q, k, v, dout, mask_mod, score_mod):
+    """gpu_checks.d_rounding_terms with the mods' reference."""
+    ref = lambda q_, k_, v_: attention_ref_mod(q_, k_, v_, mask_mod=mask_mod, score_mod=score_mod)[0]  # noqa: E731
+    q32, k32, v32 = (t.detach().float() for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5
+    out = ref(q32, k32, v32)
+    d_err = (dout.float() * (out.to(q.dtype).float() - out)).sum(-1, keepdim=True)
+    dq_term = scale * (d_err * ref(q32, k32, k32)).abs().max().item()
+    v_leaf = v32.clone().requires_grad_()
+    (pt_x,) = torch.autograd.grad(ref(q32, k32, v_leaf), v_leaf, d_err * q32)
+    return dq_term, scale * pt_x.abs().max().item(), 0.0
+
+
+def _kernel_grads(q, k, v, dout, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = cute_attn.mha(q, k, v, **kw)
+    poison_allocator(q.numel() * q.element_size(), k.numel() * k.element_size())
+    return out, torch.autograd.grad(out, (q, k, v), dout)
+
+
+def _check_grads(q, k, v, dout, grads, mask_mod=None, score_mod=None):
+    ref = _grads_of(lambda *t: attention_ref_mod(*t, mask_mod=mask_mod, score_mod=score_mod)[0], q, k, v, dout, True)
+    low = _grads_of(lambda *t: _reference_lowp(*t, mask_mod, score_mod), q, k, v, dout, False)
+    d_terms = _d_rounding_terms(q, k, v, dout, mask_mod, score_mod)
+    for name, g, g_ref, g_low, x, d_term in zip("qkv", grads, ref, low, (q, k, v), d_terms):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"d{name}: {tuple(g.shape)} {g.dtype}"
+        assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
+        err = (g.float() - g_ref).abs().max().item()
+        err_torch = (g_low.float() - g_ref).abs().max().item()
+        rounding = (g_ref.to(x.dtype).float() - g_ref).abs().max().item()
+        bound = 2 * err_torch + 2 * rounding + GRAD_FLOOR + 2 * d_term
+        assert err <= bound, f"d{name}: kernel error {err:.3g} > {bound:.3g} (torch {x.dtype}: {err_torch:.3g})"
+    if mask_mod is not None:
+        b, sq, h, _ = q.shape
+        visible = dense_mask(mask_mod, b, h, sq, k.shape[1], q.device)  # (b, h, sq, sk)
+        rows_seen = visible.any(-1).transpose(1, 2)  # (b, sq, h)
+        group = h // k.shape[2]
+        keys_seen = visible.any(2).view(b, k.shape[2], group, -1).any(2).transpose(1, 2)  # (b, sk, h_kv)
+        dq, dk, dv = grads
+        assert not dq[~rows_seen].any(), "dq of rows that see no key must be 0"
+        assert not dk[~keys_seen].any() and not dv[~keys_seen].any(), "dk, dv of keys no row sees must be 0"
+
+
+def _bwd_cases():
+    b = 2
+    return {
+        "block_diffusion_16": (lambda: masks.block_diffusion(16), 1, 1018),
+        "block_diffusion_5": (lambda: masks.block_diffusion(5), 1, 700),
+        "prefix_lm": (lambda: masks.prefix_lm(torch.tensor([0, 333], dtype=torch.int32, device="cuda")), b, 777),
+        "document_causal": (lambda: masks.document(_doc_ids(b, 901, 2), causal=True), b, 901),
+        "window": (lambda: masks.sliding_window(100, 37), b, 611),
+        # rows that see nothing (q % 7 == 3, and the query tiles of [128, 256)), keys no
+        # row sees (kv % 5 == 2) and whole KV tiles nobody sees ([128, 256): dK, dV of a
+        # tile with an empty list must still be written, as zeros)
+        "empty_rows_keys_and_tiles": (lambda: masks.Modifier.of("mask", lambda b_, h, q, kv: (q % 7 != 3) & (
+            (q < 128) | (q >= 256)) & ((kv < 128) | (kv >= 256)) & (kv % 5 != 2) & (kv <= q)), b, 500),
+    }
+
+
+BWD_CASES = _bwd_cases()
+
+
+@pytest.mark.parametrize("name", list(BWD_CASES))
+@pytest.mark.parametrize("d,h,h_kv", [(128, 4, 2), (64, 2, 2)])
+def test_mask_mods_backward(name, d, h, h_kv):
+    make, b, s = BWD_CASES[name]
+    mod = make()
+    q, k, v = _inputs(b, s, s, h, h_kv, d, seed=hash(name) % 1000 + 1)
+    dout = torch.randn_like(q)
+    _, grads = _kernel_grads(q, k, v, dout, mask_mod=mod)
+    _check_grads(q, k, v, dout, grads, mask_mod=mod)
+
+
+@pytest.mark.parametrize("d", [96, 256])
+def test_mask_mod_backward_other_head_dims(d):
+    b, s, h = 1, 515, 2
+    mod = masks.block_diffusion(16)
+    q, k, v = _inputs(b, s, s, h, 1, d, seed=d)
+    dout = torch.randn_like(q)
+    _, grads = _kernel_grads(q, k, v, dout, mask_mod=mod)
+    _check_grads(q, k, v, dout, grads, mask_mod=mod)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_alibi_backward(dtype):
+    """ALiBi reads an aux tensor; its derivative is 1 (the Dual carries a constant)."""
+    b, s, h, d = 2, 731, 4, 128
+    q, k, v = _inputs(b, s, s, h, 2, d, dtype=dtype, seed=5)
+    dout = torch.randn_like(q)
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")
+    mask, score = masks.causal(), masks.alibi(slopes)
+    _, grads = _kernel_grads(q, k, v, dout, mask_mod=mask, score_mod=score)
+    _check_grads(q, k, v, dout, grads, mask_mod=mask, score_mod=score)
+    _, grads = _kernel_grads(q, k, v, dout, score_mod=score)
+    _check_grads(q, k, v, dout, grads, score_mod=score)
+
+
+def test_softcap_score_mod_backward_matches_and_bites():
+    """masks.softcap's derivative 1 - tanh^2 comes from tracing it on a Dual; the scores
+    are scaled so the cap bites (a wrong derivative would fail the bound)."""
+    b, s, h, d = 1, 640, 2, 128
+    q, k, v = _inputs(b, s, s, h, h, d, seed=9)
+    q = q * 4
+    dout = torch.randn_like(q)
+    mask, score = masks.document(_doc_ids(b, s, 3, mean_len=300), causal=True), masks.softcap(5.0)
+    _, grads = _kernel_grads(q, k, v, dout, mask_mod=mask, score_mod=score)
+    _check_grads(q, k, v, dout, grads, mask_mod=mask, score_mod=score)
+    # the cap bites: without it the gradients differ by far more than the bound
+    plain = _grads_of(lambda *t: attention_ref_mod(*t, mask_mod=mask)[0], q, k, v, dout, True)
+    assert (plain[0] - grads[0].float()).abs().max() > 0.1

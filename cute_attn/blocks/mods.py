@@ -17,7 +17,7 @@ from cutlass import Float32, Int32
 from cute_attn.blocks.mma_sm90 import acc_as_rows_cols
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.staged import Staged
-from cute_attn.masks import SeqInfo
+from cute_attn.masks import Dual, SeqInfo
 
 
 class ModTile(Staged):
@@ -64,6 +64,34 @@ class ModTile(Staged):
                 q, kv = self._indices(coords, r, c, m_block, n_block, keys_on_rows)
                 S[r, c] = self.score_mod(S[r, c] * self.softmax_scale, self.batch, self.head, q, kv, seq=seq)
 
+    def _score_and_grad(self, score, q, kv, seq):
+        """score_mod and its derivative at score (traced, not run: plain Python)."""
+        try:
+            out = self.score_mod(Dual(score), self.batch, self.head, q, kv, seq=seq)
+        except TypeError as e:
+            raise TypeError(f"score mod {self.score_mod.name!r} cannot be differentiated: {e}") from e
+        return Dual.parts(out)
+
+    @cute.jit
+    def apply_score_grad(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, dsum, tScS: cute.Tensor, m_block: Int32,
+                         n_block: Int32, keys_on_rows: cutlass.Constexpr[bool] = True):
+        """The backward's apply_score: S <- score_mod(softmax_scale * S) as above, and
+        dP <- (dP - D) * d score_mod / d score, the mod differentiated by tracing it on a
+        masks.Dual. Folding the derivative into dP - D at once (dsum: D per column, see
+        softmax.ColumnStat) needs no registers beyond S and dP; dS = P * dP follows once
+        P is known. The caller waits for the dP GEMM first."""
+        S = acc_as_rows_cols(acc_S)
+        dP = acc_as_rows_cols(acc_dP)
+        coords = acc_as_rows_cols(tScS)
+        seq = self._seq(self.score_mod)
+        for c in cutlass.range_constexpr(cute.size(S.shape[1])):
+            dsum_c = dsum[c]
+            for r in cutlass.range_constexpr(cute.size(S.shape[0])):
+                q, kv = self._indices(coords, r, c, m_block, n_block, keys_on_rows)
+                value, grad = self._score_and_grad(S[r, c] * self.softmax_scale, q, kv, seq)
+                S[r, c] = value
+                dP[r, c] = (dP[r, c] - dsum_c) * grad
+
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32,
                    keys_on_rows: cutlass.Constexpr[bool] = False):
@@ -82,19 +110,21 @@ class ModTile(Staged):
 
 
 class BlockList(Staged):
-    """The KV tiles one query tile visits: its PARTIAL list, then its FULL list (each last
-    tile first), as one sequence i = 0 .. count - 1 (block_mask.BlockMask)."""
+    """The tiles one tile visits, from a block mask (block_mask.BlockMask): its PARTIAL
+    list, then its FULL list, as one sequence i = 0 .. count - 1. The forward's: the KV
+    tiles of query tile `major`, each list last tile first; the backward's (a transposed
+    block mask): the query tiles of KV tile `major`, first first."""
 
-    def __init__(self, sparse: tuple, batch: Int32, head: Int32, m_block: Int32):
+    def __init__(self, sparse: tuple, batch: Int32, head: Int32, major: Int32):
         partial_count, partial_idx, full_count, full_idx = sparse
-        self.num_partial = partial_count[batch, head, m_block]
-        self.count = self.num_partial + full_count[batch, head, m_block]
-        self.partial = partial_idx[batch, head, m_block, None]
-        self.full = full_idx[batch, head, m_block, None]
+        self.num_partial = partial_count[batch, head, major]
+        self.count = self.num_partial + full_count[batch, head, major]
+        self.partial = partial_idx[batch, head, major, None]
+        self.full = full_idx[batch, head, major, None]
         self.last = partial_idx.shape[3] - 1
 
     @cute.jit
-    def n_block(self, i: Int32) -> Int32:
+    def block(self, i: Int32) -> Int32:
         # both reads stay in bounds; the select picks the list i falls in
         p = self.partial[cutlass.min(i, self.last)]
         f = self.full[cutlass.max(i - self.num_partial, 0)]

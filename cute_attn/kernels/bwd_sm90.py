@@ -55,6 +55,13 @@ softcap * log2(e), and dS^T picks up the tanh's derivative 1 - tanh^2 (folded in
 dP^T - D once both GEMMs are done, which gives up overlapping the exp2s with the dP WGMMA
 but needs no registers beyond S^T and dP^T: keeping 1 - tanh^2 spilled ~240 bytes).
 
+Mask and score mods (FlashBwdSm90Mods, cute_attn/masks.py): a mask mod's CTA walks its KV
+tile's query blocks from a transposed block mask (block_mask.py, built at this kernel's
+tiles): PARTIAL blocks get the mod per element (blocks/mods.ModTile), FULL ones nothing,
+EMPTY ones are never loaded; the producer, the dQ writer and the consumers walk the same
+lists (q_blocks). A score mod rewrites S^T like the softcap and folds its derivative,
+traced from the same body on a masks.Dual, into dP^T - D.
+
 Varlen (blocks/seqlen.py): tiles past a sequence's keys exit at once; LSE2, D and dQ_accum
 are padded per sequence to whole query tiles; dK and dV leave row by row (not by TMA) so
 a partial tile never writes into the next sequence.
@@ -84,6 +91,7 @@ from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.bulk_copy import bulk_reduce_add_f32
 from cute_attn.blocks.mask import AttentionMask, Window
+from cute_attn.blocks.mods import BlockList, ModTile
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import ColumnStat, ScoreScale, fold_score_scale, probs_from_lse, softcap_scores
 from cute_attn.blocks.tile_scheduler import TileScheduler, WorkTile
@@ -116,6 +124,10 @@ class BwdGlobals(NamedTuple):
     dq_semaphore: cute.Tensor  # (padded m_blocks * d slices, heads, batch); deterministic only
     cu_seqlens_q: cute.Tensor  # (batch + 1,) int32; varlen only
     cu_seqlens_k: cute.Tensor
+    # mask mods: the transposed block mask's (partial_count, partial_idx, full_count,
+    # full_idx), blocks/mods.BlockList (else stand-ins, unread)
+    sparse: tuple
+    aux: tuple  # the mods' aux tensors (masks.SeqInfo.aux); else a stand-in, unread
 
 
 class BwdLayouts(NamedTuple):
@@ -193,6 +205,16 @@ class FlashBwdSm90:
 
     @cute.jit
     def __call__(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
+        mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQsemaphore: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, max_seqlen_k: Int32, softmax_scale: Float32,
+        softcap: Float32, window_left: Int32, window_right: Int32, stream,
+    ):
+        self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mdK, mdV, mdQsemaphore, mCuSeqlensQ, mCuSeqlensK,
+                    max_seqlen_k, softmax_scale, softcap, window_left, window_right, stream)
+
+    @cute.jit
+    def launch(
         self,
         mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim); varlen (1, total_q, ...)
         mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
@@ -212,7 +234,15 @@ class FlashBwdSm90:
         window_left: Int32,
         window_right: Int32,
         stream,
+        sparse: tuple = None,
+        aux: tuple = None,
     ):
+        """sparse, aux: the mod entry point's transposed block mask and aux tensors
+        (otherwise None: stand-ins are passed, never read)."""
+        if cutlass.const_expr(sparse is None):
+            sparse = (mCuSeqlensQ,) * 4
+        if cutlass.const_expr(aux is None):
+            aux = (mCuSeqlensQ,)
         mQ, mK, mV, mdO, mdK, mdV = [bshd_as_sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD, mdQaccum, mdQsemaphore = [rowwise_as_rhb(t) for t in (mLSE2, mD, mdQaccum, mdQsemaphore)]
         d, wgs = self.head_dim, self.num_mma_wg
@@ -249,7 +279,7 @@ class FlashBwdSm90:
             lse2=make_tma_tensor(load_op, mLSE2, stats_tile, (self.tile_m,)),
             dsum=make_tma_tensor(load_op, mD, stats_tile, (self.tile_m,)),
             dk_rows=mdK, dv_rows=mdV, dq_accum=mdQaccum, dq_semaphore=mdQsemaphore,
-            cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK,
+            cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, sparse=sparse, aux=aux,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, q_tile) + self.tile_m * 4
         self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, layouts.sK)
@@ -270,7 +300,7 @@ class FlashBwdSm90:
 
         self.shared_storage = SharedStorage
 
-        score = fold_score_scale(softmax_scale, softcap, self.features.softcap)
+        score = fold_score_scale(softmax_scale, softcap, self.features.softcap, self.features.score_mod is not None)
         # one CTA per KV block: the grid tiles K's rows
         grid = self.scheduler.grid(mK, mCuSeqlensQ, max_seqlen_k)
         self.kernel(g, layouts, score, window_left, window_right).launch(
@@ -358,10 +388,10 @@ class FlashBwdSm90:
         cute.copy(g.k.atom, tKgK, tKsK, tma_bar_ptr=kv_bar)
         cute.copy(g.v.atom, tVgV, tVsV, tma_bar_ptr=kv_bar)
 
-        m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for i in cutlass.range(group, unroll=1):
             head = head_kv * group + i
+            blocks, m_first, count = self.q_blocks(g, tile, head, block_range, seqlen)
             gQ = cute.local_tile(seqlen.rows_q(g.q.tensor, head), (self.tile_m, d), (None, 0))
             gdO = cute.local_tile(seqlen.rows_q(g.do.tensor, head), (self.tile_m, d), (None, 0))
             tQsQ, tQgQ = tma_partition(g.q, smem.q, gQ)
@@ -370,7 +400,8 @@ class FlashBwdSm90:
             gD = cute.local_tile(g.dsum.tensor[None, head, seqlen.batch], (self.tile_m,), (None,))
             tLsL, tLgL = tma_partition(g.lse2, smem.lse2, gLSE2, tile_rank=1)
             tDsD, tDgD = tma_partition(g.dsum, smem.dsum, gD, tile_rank=1)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            for j in cutlass.range(count, unroll=1):
+                m_block = self.q_block(blocks, m_first, j)
                 pipes.q.producer_acquire(state)
                 bar = pipes.q.producer_get_barrier(state)
                 cute.copy(g.q.atom, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
@@ -381,6 +412,30 @@ class FlashBwdSm90:
                 cute.copy(g.dsum.atom, tDgD[None, stats_block0 + m_block], tDsD[None, state.index], tma_bar_ptr=bar)
                 state.advance()
 
+    @cute.jit
+    def q_blocks(self, g: BwdGlobals, tile: WorkTile, head, block_range: BlockRange, seqlen: SeqlenInfo):
+        """(blocks, m_first, count): the query blocks of head `head` this KV tile visits,
+        as steps j = 0 .. count - 1 (q_block), in the consumers' order. A mask mod: the
+        transposed block mask's lists, PARTIAL then FULL (blocks); else the range
+        [m_first, m_first + count) of block_range."""
+        blocks = None
+        if cutlass.const_expr(self.features.mask_mod is not None):
+            blocks = BlockList(g.sparse, seqlen.batch, head, tile.block)
+            m_first, count = Int32(0), blocks.count
+        else:
+            m_first, m_block_max = block_range.m_block_min_max(seqlen, tile.block)
+            count = m_block_max - m_first
+        return blocks, m_first, count
+
+    @cute.jit
+    def q_block(self, blocks, m_first: Int32, j: Int32) -> Int32:
+        """The query block of step j (see q_blocks)."""
+        if cutlass.const_expr(blocks is not None):
+            m_block = blocks.block(j)
+        else:
+            m_block = m_first + j
+        return m_block
+
     # ------------------------------------------------------------------------------------
     # dQ writer warp: adds each query block's dQ tile into dQ_accum
     # ------------------------------------------------------------------------------------
@@ -388,37 +443,43 @@ class FlashBwdSm90:
     def write_dq(self, g: BwdGlobals, sdQ, tile: WorkTile, group, block_range: BlockRange, seqlen: SeqlenInfo):
         n_block, head_kv, d_block = tile.block, tile.head, tile.split
         chunk = self.tile_m * self.d_slice
-        m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
-        num_m_blocks = m_block_max - m_block_min
         barrier_threads = self.num_mma_threads + 32
         lane = cute.arch.lane_idx()
-        if num_m_blocks > 0:
+        total = Int32(0)
+        for i in cutlass.range(group, unroll=1):
+            _, _, count = self.q_blocks(g, tile, head_kv * group + i, block_range, seqlen)
+            total += count
+        if total > 0:
             # sdQ (and sdS) start out free
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
         # the consumers' order: every query block of the group's first head, then the next
-        for it in cutlass.range(group * num_m_blocks, unroll=1):
-            head = head_kv * group + it // num_m_blocks
-            m_block = m_block_min + it % num_m_blocks
-            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
-            tile_idx = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block, d_block, self.num_d_slices)
-            gdQaccum = cute.local_tile(g.dq_accum[None, head, seqlen.batch], (chunk,), (None,))
-            if lane == 0:
-                if cutlass.const_expr(self.deterministic):
-                    # KV blocks add into a dQ tile in increasing n_block order; the ones
-                    # that visit a query block are a contiguous range from the forward's
-                    # n_block_min (0 unless a sliding window bounds the left side)
-                    turn_ptr = g.dq_semaphore[None, head, seqlen.batch].iterator + tile_idx
-                    first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
-                    semaphore.wait_turn(turn_ptr, n_block - first_n_block)
-                bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
-                cute.arch.cp_async_bulk_commit_group()
-                if cutlass.const_expr(self.deterministic):
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    semaphore.pass_turn(turn_ptr)
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if it + 1 < group * num_m_blocks:
-                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
+        done = Int32(0)
+        for i in cutlass.range(group, unroll=1):
+            head = head_kv * group + i
+            blocks, m_first, count = self.q_blocks(g, tile, head, block_range, seqlen)
+            for j in cutlass.range(count, unroll=1):
+                m_block = self.q_block(blocks, m_first, j)
+                cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+                tile_idx = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block, d_block, self.num_d_slices)
+                gdQaccum = cute.local_tile(g.dq_accum[None, head, seqlen.batch], (chunk,), (None,))
+                if lane == 0:
+                    if cutlass.const_expr(self.deterministic):
+                        # KV blocks add into a dQ tile in increasing n_block order; the ones
+                        # that visit a query block are a contiguous range from the forward's
+                        # n_block_min (0 unless a sliding window bounds the left side)
+                        turn_ptr = g.dq_semaphore[None, head, seqlen.batch].iterator + tile_idx
+                        first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
+                        semaphore.wait_turn(turn_ptr, n_block - first_n_block)
+                    bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(self.deterministic):
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        semaphore.pass_turn(turn_ptr)
+                    else:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                done += 1
+                if done < total:
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
@@ -468,19 +529,34 @@ class FlashBwdSm90:
 
         pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        step = (n_block, ops, layouts, smem, pipes, mask, score.scale_log2, score.softcap_pre, tidx)
+        step = (n_block, ops, layouts, smem, pipes, score.scale_log2, score.softcap_pre, tidx)
         # dK and dV sum over the group's query heads right here, in the accumulators
-        for _g in cutlass.range(group, unroll=1):
-            for m_block in cutlass.range(m_block_min, right_end, unroll=1):
-                self.step(m_block, state, *step, masked=True)
-                state.advance()
-            for m_block in cutlass.range(right_end, left_start, unroll=1):
-                self.step(m_block, state, *step, masked=False)
-                state.advance()
-            if cutlass.const_expr(window.has_left):
-                for m_block in cutlass.range(left_start, m_block_max, unroll=1):
-                    self.step(m_block, state, *step, masked=True)
+        for i in cutlass.range(group, unroll=1):
+            mods = None
+            if cutlass.const_expr(self.features.has_mods):
+                mods = ModTile(self.features.mask_mod, self.features.score_mod, self.tile_m, self.tile_n, seqlen,
+                               seqlen.batch, head_kv * group + i, g.aux, score.softmax_scale)
+            if cutlass.const_expr(self.features.mask_mod is not None):
+                # the block mask's PARTIAL query blocks take the mod per element; FULL
+                # ones (never the KV tile cut by seqlen_k, block_mask.py) none
+                blocks, _, count = self.q_blocks(g, tile, head_kv * group + i, block_range, seqlen)
+                for j in cutlass.range(blocks.num_partial, unroll=1):
+                    self.step(blocks.block(j), state, *step, mods, mods, masked=True)
                     state.advance()
+                for j in cutlass.range(blocks.num_partial, count, unroll=1):
+                    self.step(blocks.block(j), state, *step, mods, mods, masked=False)
+                    state.advance()
+            else:
+                for m_block in cutlass.range(m_block_min, right_end, unroll=1):
+                    self.step(m_block, state, *step, mask, mods, masked=True)
+                    state.advance()
+                for m_block in cutlass.range(right_end, left_start, unroll=1):
+                    self.step(m_block, state, *step, mask, mods, masked=False)
+                    state.advance()
+                if cutlass.const_expr(window.has_left):
+                    for m_block in cutlass.range(left_start, m_block_max, unroll=1):
+                        self.step(m_block, state, *step, mask, mods, masked=True)
+                        state.advance()
 
         # Epilogue: dV and dK leave through sV and sK, which every warpgroup must be done
         # reading (its last dP and dQ WGMMAs) before they are overwritten.
@@ -513,10 +589,11 @@ class FlashBwdSm90:
     @cute.jit
     def step(
         self, m_block, state, n_block, ops: StepOperands, layouts: BwdLayouts, smem: BwdSmem,
-        pipes: BwdPipelines, mask: AttentionMask, scale_log2, softcap_pre, tidx,
+        pipes: BwdPipelines, scale_log2, softcap_pre, tidx, mask, mods,
         masked: cutlass.Constexpr[bool],
     ):
-        """One query block: the five GEMMs for this CTA's keys."""
+        """One query block: the five GEMMs for this CTA's keys. mask: an AttentionMask, or
+        with a mask mod the ModTile (mods), which also applies a score mod."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = layouts.mma_sdp, layouts.mma_dkv, layouts.mma_dq
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
@@ -544,6 +621,8 @@ class FlashBwdSm90:
         P = mma_sm90.acc_as_rows_cols(acc_S)
         dS = mma_sm90.acc_as_rows_cols(acc_dP)
         warpgroup.wait_group(1)
+        # a softcap or a score mod rewrites S^T, and its derivative joins dS^T
+        score_grad = self.features.softcap or self.features.score_mod is not None
         if cutlass.const_expr(self.features.softcap):
             softcap_scores(acc_S, softcap_pre)
             warpgroup.wait_group(0)
@@ -553,11 +632,14 @@ class FlashBwdSm90:
                 dsum_c = dsum[c]
                 for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
                     dS[r, c] = (dS[r, c] - dsum_c) * (1.0 - P[r, c] * P[r, c])
+        if cutlass.const_expr(self.features.score_mod is not None):
+            warpgroup.wait_group(0)
+            mods.apply_score_grad(acc_S, acc_dP, dsum, tScS, m_block, n_block, keys_on_rows=True)
         if cutlass.const_expr(masked):
             mask.apply(acc_S, tScS, m_block, n_block, keys_on_rows=True)
         probs_from_lse(acc_S, lse2, scale_log2)
-        # dS^T = P^T * (dP^T - D) (* the softcap's derivative, folded in above)
-        if cutlass.const_expr(self.features.softcap):
+        # dS^T = P^T * (dP^T - D) (* the softcap's or score mod's derivative, folded in above)
+        if cutlass.const_expr(score_grad):
             for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
                 for c in cutlass.range_constexpr(num_cols):
                     dS[r, c] = P[r, c] * dS[r, c]
@@ -594,3 +676,29 @@ class FlashBwdSm90:
         # of its LSE2 and D are done (release_after_loads says why it syncs the warp)
         release_after_loads(state, pipes.q, pipes.do)
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+
+
+class FlashBwdSm90Mods(FlashBwdSm90):
+    """The backward with mask and/or score mods (AttnFeatures.mask_mod / score_mod,
+    cute_attn/masks.py): the dense kernel walking a transposed block mask's query-tile
+    lists (a mask mod), applying the mods per element and the score mod's derivative
+    (blocks/mods.ModTile.apply_score_grad). The aux tensors arrive as one tuple, the mask
+    mod's first; a call without aux tensors passes one stand-in."""
+
+    @cute.jit
+    def __call__(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
+        mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQsemaphore: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+        mPartialCount: cute.Tensor,  # (batch, heads, tiles_n) int32: a transposed block_mask.BlockMask
+        mPartialIdx: cute.Tensor,  # (batch, heads, tiles_n, tiles_m) int32
+        mFullCount: cute.Tensor,
+        mFullIdx: cute.Tensor,
+        aux: tuple,
+        max_seqlen_k: Int32,
+        softmax_scale: Float32,
+        stream,
+    ):
+        self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mdK, mdV, mdQsemaphore, mCuSeqlensQ, mCuSeqlensK,
+                    max_seqlen_k, softmax_scale, Float32(0.0), Int32(0), Int32(0), stream,
+                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx), aux=aux)

@@ -450,7 +450,7 @@ class FlashFwdSm90:
     def kv_block(self, blocks, n_block_max: Int32, i: Int32) -> Int32:
         """The KV block of step i (see kv_blocks)."""
         if cutlass.const_expr(blocks is not None):
-            n_block = blocks.n_block(i)
+            n_block = blocks.block(i)
         else:
             n_block = n_block_max - 1 - i
         return n_block
@@ -588,10 +588,10 @@ class FlashFwdSm90:
                 # a block mask: its PARTIAL tiles (the mod evaluated per element), then
                 # its FULL ones (no mask); step 0 above was the first of either list
                 for i in cutlass.range(cutlass.max(blocks.num_partial - 1, 0), unroll=1):
-                    kv_state = self.mainloop_step(blocks.n_block(i + 1), kv_state, *step, masked=True)
+                    kv_state = self.mainloop_step(blocks.block(i + 1), kv_state, *step, masked=True)
                 first_full = cutlass.max(blocks.num_partial, 1)
                 for i in cutlass.range(count - first_full, unroll=1):
-                    kv_state = self.mainloop_step(blocks.n_block(first_full + i), kv_state, *step, masked=False)
+                    kv_state = self.mainloop_step(blocks.block(first_full + i), kv_state, *step, masked=False)
             else:
                 # Blocks cutting the window's right edge (the causal diagonal), the
                 # unmasked bulk, then blocks cutting its left edge (sliding windows only).
