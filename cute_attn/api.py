@@ -1,6 +1,7 @@
 """Public entry points: check inputs on the host, then hand off to the launcher; under
 autograd, a torch.autograd.Function runs the backward kernels."""
 
+import dataclasses
 import math
 from typing import Callable, Literal, Optional, Sequence, Union, overload
 
@@ -34,21 +35,21 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: O
         deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
         v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...,
         mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ..., aux_tensors: Sequence[Tensor] = ...,
-        block_mask: Optional[BlockMask] = ...) -> Tensor: ...
+        block_mask: Optional[BlockMask] = ..., learnable_sink: Optional[Tensor] = ...) -> Tensor: ...
 @overload
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: Literal[True],
         deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
         v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...,
         mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ..., aux_tensors: Sequence[Tensor] = ...,
-        block_mask: Optional[BlockMask] = ...) -> _TensorPair: ...
+        block_mask: Optional[BlockMask] = ..., learnable_sink: Optional[Tensor] = ...) -> _TensorPair: ...
 @overload
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: bool,
         deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
         v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...,
         mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ..., aux_tensors: Sequence[Tensor] = ...,
-        block_mask: Optional[BlockMask] = ...) -> Union[Tensor, _TensorPair]: ...
+        block_mask: Optional[BlockMask] = ..., learnable_sink: Optional[Tensor] = ...) -> Union[Tensor, _TensorPair]: ...
 
 
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
@@ -57,7 +58,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         deterministic: bool = False, q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
         v_descale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
         mask_mod: Optional[Callable] = None, score_mod: Optional[Callable] = None,
-        aux_tensors: Sequence[Tensor] = (), block_mask: Optional[BlockMask] = None) -> Union[Tensor, _TensorPair]:
+        aux_tensors: Sequence[Tensor] = (), block_mask: Optional[BlockMask] = None,
+        learnable_sink: Optional[Tensor] = None) -> Union[Tensor, _TensorPair]:
     """Multi-head attention on an sm_90 (Hopper) GPU, differentiable.
 
     Args:
@@ -104,6 +106,12 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             carry their own); on q's device.
         block_mask: cute_attn.create_block_mask(mask_mod, ...) for this shape, built
             once and reused; None builds one per (mask, shape) on the GPU and caches it.
+        learnable_sink: attention sinks (gpt-oss): a (nheads,) float tensor on q's
+            device, one logit per query head that joins every row's softmax denominator:
+            out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} + e^{sink_h}), lse likewise (a row
+            that sees no key gets out = 0, lse = sink). Differentiable (its gradient is
+            -sum_i e^{sink - lse_i} dO_i . O_i). Works with causal, window_size, softcap
+            or the mods; no packed GQA or split-KV (the mods' forward kernel).
 
     Returns:
         out, shaped and typed like q (same stride order), or (out, lse) with lse
@@ -132,24 +140,28 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         raise ValueError("out_dtype is for FP8 inputs; a 16-bit call returns q's dtype")
     no_kernel = validate_fwd_inputs(q, k, v, softmax_scale, softcap)
     scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
-    if mask_mod is not None or score_mod is not None or block_mask is not None or aux_tensors:
+    if mask_mod is not None or score_mod is not None or block_mask is not None or aux_tensors \
+            or learnable_sink is not None:
         return _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask,
-                         return_lse, deterministic, no_kernel)
+                         return_lse, deterministic, no_kernel, learnable_sink)
     features, run_args = _features_and_args(causal, window, softcap, scale)
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
 def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask, return_lse,
-              deterministic, no_kernel):
-    """Attention with mask/score mods (kernels/fwd_sm90.FlashFwdSm90Mods, and under
-    autograd kernels/bwd_sm90.FlashBwdSm90Mods)."""
+              deterministic, no_kernel, sink=None):
+    """Attention with mask/score mods and/or a sink (kernels/fwd_sm90.FlashFwdSm90Mods,
+    and under autograd kernels/bwd_sm90.FlashBwdSm90Mods)."""
     from cute_attn.masks import Modifier
 
-    if causal or window != _NO_WINDOW or softcap != 0.0:
+    has_mods = mask_mod is not None or score_mod is not None
+    if has_mods and (causal or window != _NO_WINDOW or softcap != 0.0):
         raise ValueError("mask_mod/score_mod replace causal, window_size and softcap: write them as mods "
                          "(cute_attn.masks.causal(), sliding_window(), and_masks(...))")
-    if mask_mod is None and score_mod is None:
+    if not has_mods and (aux_tensors or block_mask is not None):
         raise ValueError("aux_tensors and block_mask go with a mask_mod or score_mod")
+    if sink is not None:
+        sink = _checked_sink(sink, q)
     if not isinstance(aux_tensors, (tuple, list)):
         raise TypeError(f"aux_tensors must be a tuple or list of tensors, got {type(aux_tensors).__name__}")
     # aux_tensors belong to the one plain-function mod (a Modifier carries its own)
@@ -165,23 +177,54 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
         for i, t in enumerate(() if mod is None else mod.aux):
             if t.device != q.device:
                 raise ValueError(f"{mod.name}'s aux tensor {i} is on {t.device}, q on {q.device}")
-    features = AttnFeatures(mask_mod=None if mask is None else mask.spec, score_mod=None if score is None else score.spec)
+    if has_mods:
+        features = AttnFeatures(mask_mod=None if mask is None else mask.spec,
+                                score_mod=None if score is None else score.spec, sink=sink is not None)
+        run_args = RunArgs(scale)
+    else:  # a sink with the dense kernel's mask kind, window and softcap
+        features, run_args = _features_and_args(causal, window, softcap, scale)
+        features = dataclasses.replace(features, sink=True)
     if _traced(q):
-        raise NotImplementedError("mask/score mods have no torch.compile op yet: call mha eagerly")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if deterministic:
+        raise NotImplementedError("mask/score mods and sinks have no torch.compile op yet: call mha eagerly")
+    settings = _AttentionSettings(features, run_args, False, no_kernel, mods=(mask, score, block_mask))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sink is not None and sink.requires_grad)):
+        if deterministic and has_mods:
             raise NotImplementedError("deterministic=True has no backward with mask/score mods yet (its dQ order "
                                       "assumes contiguous tile ranges, a block mask's lists are not)")
-        run_args = RunArgs(scale)
-        settings = _AttentionSettings(features, run_args, False, no_kernel, mods=(mask, score, block_mask))
-        out, lse = _AttentionFunction.apply(q, k, v, settings)
+        settings.deterministic = deterministic
+        out, lse = _AttentionFunction.apply(q, k, v, settings, sink)
         return (out, lse) if return_lse else out
-    if no_kernel:
-        out, lse = _outputs_without_kernel(q, features)
-    else:
-        out, lse = _launcher().run_fwd_mods(q, k, v, features, RunArgs(scale), mask, score, block_mask,
-                                            need_lse=return_lse)
+    out, lse = _mods_forward(q, k, v, settings, sink, need_lse=return_lse)
     return (out, lse) if return_lse else out
+
+
+def _checked_sink(sink, q):
+    """learnable_sink as the kernel reads it: float32 (heads,) on q's device (a cast of
+    a 16-bit parameter stays differentiable)."""
+    if not isinstance(sink, Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor, got {type(sink).__name__}")
+    heads = q.shape[2]
+    if sink.dim() != 1 or sink.shape[0] != heads:
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({heads},), got {tuple(sink.shape)}")
+    if sink.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"learnable_sink must be float32, bfloat16 or float16, got {sink.dtype}")
+    if sink.device != q.device:
+        raise ValueError(f"learnable_sink is on {sink.device}, q on {q.device}")
+    return sink.float().contiguous()
+
+
+def _mods_forward(q, k, v, settings, sink, need_lse=True):
+    """(out, lse) of the mods' forward; with no keys (no kernel) every row sees only the
+    sink: out = 0, lse = sink."""
+    if settings.no_kernel:
+        out, lse = _outputs_without_kernel(q, settings.features)
+        if sink is not None and lse.numel():
+            lse = sink.detach()[None, :, None].expand_as(lse).contiguous()
+        return out, lse
+    mask, score, block_mask = settings.mods
+    return _launcher().run_fwd_mods(q, k, v, settings.features, settings.run_args, mask, score, block_mask,
+                                    need_lse=need_lse, sink=sink)
 
 
 @overload
@@ -408,31 +451,37 @@ class _AttentionSettings:
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, settings):
-        if settings.no_kernel:
+    def forward(ctx, q, k, v, settings, sink=None):
+        if settings.mods is not None:
+            out, lse = _mods_forward(q, k, v, settings, sink)
+        elif settings.no_kernel:
             out, lse = _outputs_without_kernel(q, settings.features)
-        elif settings.mods is not None:
-            out, lse = _launcher().run_fwd_mods(q, k, v, settings.features, settings.run_args, *settings.mods)
         else:
             out, lse = _launcher().run_fwd(q, k, v, settings.features, settings.run_args)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.settings = settings
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         s = ctx.settings
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[4]:
+            # d lse_i / d sink = e^{sink - lse_i} and out_i moves by -that * out_i, so
+            # dsink = -sum_i e^{sink - lse_i} D_i with D_i = dO_i . O_i (the backward's D)
+            d = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, seqlen_q)
+            dsink = -(torch.exp(sink[None, :, None] - lse) * d).sum((0, 2))
         if s.no_kernel:
             # out is 0 (or empty) whatever q, k, v are: zero gradients of their shapes
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, dsink
         mods = {} if s.mods is None else {"mods": s.mods[:2]}
         dq, dk, dv = _launcher().run_bwd(
             prepare_dout(dout, out), q, k, v, out, lse, s.features, s.run_args,
             deterministic=s.deterministic, **mods,
         )
-        return dq, dk, dv, None
+        return dq, dk, dv, None, dsink
 
 
 _launcher_module = None

@@ -48,6 +48,9 @@ class AttnFeatures:
     # replaces the mask kind (which stays "none": causal is masks.causal())
     mask_mod: Optional[object] = None
     score_mod: Optional[object] = None
+    # attention sinks (gpt-oss): a learnable per-head logit that joins every row's softmax
+    # denominator (a float32 (heads,) run-time tensor); the mods' entry point carries it
+    sink: bool = False
 
     def __post_init__(self):
         if self.mask not in MASK_KINDS:
@@ -61,6 +64,12 @@ class AttnFeatures:
     @property
     def has_mods(self) -> bool:
         return self.mask_mod is not None or self.score_mod is not None
+
+    @property
+    def mod_kernel(self) -> bool:
+        """The forward runs the mods' entry point (kernels/fwd_sm90.FlashFwdSm90Mods),
+        which also carries the sink."""
+        return self.has_mods or self.sink
 
     @property
     def causal_like(self) -> bool:
@@ -326,7 +335,7 @@ def mod_fwd_config_for(head_dim: int) -> FwdConfig:
 
 
 def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
-    if features.has_mods:
+    if features.mod_kernel:
         return mod_fwd_config_for(head_dim)
     if head_dim <= 64:
         if features.local:
@@ -350,7 +359,7 @@ def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
 
 def pack_gqa_for(head_dim: int, features: AttnFeatures, seqlen_q: int, group: int) -> int:
     """The pack_gqa of a call with this query length and GQA group (see choose_pack_gqa)."""
-    if group == 1 or features.varlen or features.has_mods:  # a mod sees one query head per row
+    if group == 1 or features.varlen or features.has_mods or features.sink:  # one query head per row
         return 1
     return choose_pack_gqa(seqlen_q, group, fwd_config_for(head_dim, features).tile_m, False)
 

@@ -127,7 +127,7 @@ def _fake_fwd_args(key: FwdKey):
     n, d = _Symbols(), key.head_dim
     if DTYPES[key.dtype].input.itemsize == 1:
         return _fake_fp8_fwd_args(key, n)
-    if key.features.has_mods:
+    if key.features.mod_kernel:
         return _fake_mod_fwd_args(key, n)
     q, k, v, o, lse = _fake_qkvo_lse(key, n)
     page_table = cute.runtime.make_fake_tensor(
@@ -215,13 +215,18 @@ def _fake_block_mask_and_aux(features: AttnFeatures, n: "_Symbols"):
 
 def _fake_mod_fwd_args(key: FwdKey, n: "_Symbols"):
     """FlashFwdSm90Mods's arguments: the dense forward's tensors, then the block mask and
-    the aux tensors (_fake_block_mask_and_aux)."""
+    the aux tensors (_fake_block_mask_and_aux), the sink logits (a float32 vector), the
+    run-time scalars."""
     import cutlass
+    import cutlass.cute as cute
 
     q, k, v, o, lse = _fake_qkvo_lse(key, n)
     lists, aux = _fake_block_mask_and_aux(key.features, n)
-    return (q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), *lists, aux,
-            cutlass.Int32(0), cutlass.Float32(1.0), _fake_stream())
+    sink = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(symbol="sink_len"),),
+                                                 assumed_align=4)
+    max_seqlen, scale, softcap, wl, wr = _fake_run_args()
+    return (q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), *lists, aux, sink,
+            max_seqlen, scale, softcap, wl, wr, _fake_stream())
 
 
 _AUX_DSL_TYPES = {torch.int32: "Int32", torch.int64: "Int64", torch.int16: "Int16", torch.int8: "Int8",
@@ -266,7 +271,7 @@ def compile_fwd(key: FwdKey, extra_options: str = ""):
     _check_capability("fwd_fp8" if fp8 else "fwd", key)
     if fp8:
         cls = FlashFwdSm90Fp8
-    elif key.features.has_mods:
+    elif key.features.mod_kernel:
         cls = FlashFwdSm90Mods
     else:
         cls = FlashFwdSm90SplitKV if key.config.split_kv else FlashFwdSm90
@@ -489,10 +494,12 @@ def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs
 
 
 def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score_mod, block_mask=None,
-                 need_lse: bool = True):
+                 need_lse: bool = True, sink=None):
     """The forward with mods on validated dense inputs: mask_mod, score_mod masks.Modifier
     or None (their specs are features'), block_mask a block_mask.BlockMask for mask_mod
-    at this shape (None: built once per (mask, shape) and cached). Returns (out, lse)."""
+    at this shape (None: built once per (mask, shape) and cached), sink float32 (heads,)
+    logits when features.sink (args then may carry a mask kind's window and a softcap).
+    Returns (out, lse)."""
     from cute_attn.config import mod_fwd_config_for
 
     head_dim = q.shape[-1]
@@ -501,7 +508,10 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
     lists, aux = _mod_arguments(q, k, config.tile_m, config.tile_n, mask_mod, score_mod, block_mask)
     out, lse = _outputs(q, features, need_lse)
     unused = _unused_cu_seqlens(q.device)
-    fn(q, k, v, out, lse, unused, unused, *lists, aux, 0, args.softmax_scale)
+    if sink is None:
+        sink = _placeholder(q.device, (1,)).view(torch.float32)
+    fn(q, k, v, out, lse, unused, unused, *lists, aux, sink, 0, args.softmax_scale, args.softcap, args.window[0],
+       args.window[1])
     return out, (lse if need_lse else None)
 
 
@@ -938,6 +948,10 @@ def run_bwd(
     run_fwd_mods (dense inputs, not deterministic); the backward's block mask is built
     and cached here."""
     head_dim = q.shape[-1]
+    if features.sink:
+        # the sink enters the backward only through the forward's lse (api computes its
+        # own gradient): the sink-free kernels serve
+        features = dataclasses.replace(features, sink=False)
     if config is None:
         config = bwd_config_for(head_dim, features)
     pre, main, post = get_bwd_kernels(
@@ -969,7 +983,7 @@ def run_bwd(
     else:
         semaphore = _unused_semaphore(q.device)
     pre(out, dout, lse, lse2, dsum, cu_q, args.max_seqlen_q)
-    if mods is None:
+    if not features.has_mods:
         main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, args.max_seqlen_k,
              args.softmax_scale, args.softcap, args.window[0], args.window[1])
     else:

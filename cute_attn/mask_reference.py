@@ -62,7 +62,8 @@ def dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device=None, offset_q
     return visible.expand(batch, heads, seqlen_q, seqlen_k).contiguous()
 
 
-def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=None, offset_q=0, offset_k=0):
+def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=None, offset_q=0, offset_k=0,
+                      sink=None):
     """Return (out, lse) of softmax(mask(score_mod(scale * q k^T))) v in float32.
 
     As in FlexAttention, score_mod sees the scaled score and the indices (query head h);
@@ -71,6 +72,8 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     score -inf) gets out = 0 and lse = -inf, and autograd gives it finite, zero
     gradients: nothing on the way is exp(-inf - -inf), log(0) or 0 / 0. offset_q,
     offset_k: the entry's place in a packed batch (the mods see global indices).
+    sink: (heads,) attention-sink logits, one more term e^sink in each row's denominator
+    (a key with a zero value vector that every query sees; differentiable).
     """
     batch, sq, heads, d = q.shape
     sk = k.shape[1]
@@ -89,6 +92,10 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     if mask_mod is not None:
         visible = dense_mask(mask_mod, batch, heads, sq, sk, q.device, offset_q, offset_k)
         scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is not None:
+        sink_col = sink.float()[None, :, None, None].expand(batch, heads, sq, 1)
+        scores = torch.cat([scores, sink_col], dim=-1)
+        sk = sk + 1
 
     # Softmax with a shift by the row max, which does not change its value (hence
     # detached); a row whose max is -inf (nothing visible) is shifted by 0 instead, so
@@ -104,6 +111,8 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     safe_total = torch.where(seen, total, torch.ones_like(total))  # no 0 / 0, no log(0)
     probs = weights / safe_total
     lse = torch.where(seen, shift + torch.log(safe_total), torch.full_like(total, float("-inf")))
+    if sink is not None:
+        probs = probs[..., :-1]
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse.squeeze(-1)
 

@@ -122,6 +122,11 @@ def _cpu_qkv(dtype=torch.bfloat16):
     (dict(mask_mod=masks.alibi([1.0, 2.0])), TypeError, "expected a mask mod"),
     (dict(mask_mod=lambda b, h, q: q), TypeError, "positional"),
     (dict(mask_mod=masks.causal(), aux_tensors=[1]), ValueError, "plain-function"),
+    (dict(learnable_sink=[0.0, 0.0]), TypeError, "must be a torch.Tensor"),
+    (dict(learnable_sink=fake_cuda(torch.zeros(3))), ValueError, r"shape \(nheads,\) = \(2,\)"),
+    (dict(learnable_sink=fake_cuda(torch.zeros(1, 2))), ValueError, "shape"),
+    (dict(learnable_sink=fake_cuda(torch.zeros(2, dtype=torch.int32))), TypeError, "float32, bfloat16"),
+    (dict(learnable_sink=torch.zeros(2)), ValueError, "learnable_sink is on cpu"),
 ])
 def test_api_rejects_bad_mod_arguments(kwargs, error, match, monkeypatch):
     monkeypatch.setattr(cute_attn.api, "_launcher_module", LauncherTrap(" on bad mod arguments"))
@@ -145,6 +150,18 @@ def test_mod_kernels_compile_per_mod_not_per_value():
         features = AttnFeatures(mask_mod=mask.spec, score_mod=None if score is None else score.spec)
         fn = compile_fwd(FwdKey("bf16", 128, features, cfg), "--keep-ptx")
         ptx = fn.__ptx__
+        assert "wgmma.mma_async" in ptx and "FlashFwdSm90Mods" in ptx
+
+
+def test_sink_kernels_compile():
+    """A sink alone (the dense mask kinds through the mods' entry point) and a sink with a
+    mask mod compile on the CPU (sm_90a)."""
+    from cute_attn.config import AttnFeatures, mod_fwd_config_for
+    from cute_attn.launcher import FwdKey, compile_fwd
+
+    for features in (AttnFeatures(mask="causal", softcap=True, sink=True),
+                     AttnFeatures(mask_mod=masks.block_diffusion(16).spec, sink=True)):
+        ptx = compile_fwd(FwdKey("bf16", 128, features, mod_fwd_config_for(128)), "--keep-ptx").__ptx__
         assert "wgmma.mma_async" in ptx and "FlashFwdSm90Mods" in ptx
 
 

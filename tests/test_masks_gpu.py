@@ -31,7 +31,7 @@ def _inputs(b, sq, sk, h, h_kv, d, dtype=torch.bfloat16, seed=0):
                  for s, n in ((sq, h), (sk, h_kv), (sk, h_kv)))
 
 
-def _reference_lowp(q, k, v, mask_mod, score_mod):
+def _reference_lowp(q, k, v, mask_mod, score_mod, sink=None):
     """torch in the input dtype: QK^T and PV with 16-bit operands and outputs, the mods
     and the softmax in fp32, P rounded to the input dtype."""
     b, sq, h, d = q.shape
@@ -45,7 +45,10 @@ def _reference_lowp(q, k, v, mask_mod, score_mod):
                      seq=seq_info(mod, sq, k.shape[1], device=q.device))
     if mask_mod is not None:
         scores = scores.masked_fill(~dense_mask(mask_mod, b, h, sq, k.shape[1], q.device), float("-inf"))
-    p = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
+    if sink is not None:
+        scores = torch.cat([scores, sink.float()[None, :, None, None].expand(b, h, sq, 1)], dim=-1)
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    p = (p[..., :-1] if sink is not None else p).to(q.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", p, vr)
 
 
@@ -203,9 +206,10 @@ def _grads_of(fn, q, k, v, dout, upcast):
     return torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
 
-def _d_rounding_terms(q, k, v, dout, mask_mod, score_mod):
+def _d_rounding_terms(q, k, v, dout, mask_mod, score_mod, sink=None):
     """gpu_checks.d_rounding_terms with the mods' reference."""
-    ref = lambda q_, k_, v_: attention_ref_mod(q_, k_, v_, mask_mod=mask_mod, score_mod=score_mod)[0]  # noqa: E731
+    ref = lambda q_, k_, v_: attention_ref_mod(q_, k_, v_, mask_mod=mask_mod, score_mod=score_mod,  # noqa: E731
+                                               sink=sink)[0]
     q32, k32, v32 = (t.detach().float() for t in (q, k, v))
     scale = q.shape[-1] ** -0.5
     out = ref(q32, k32, v32)
@@ -223,10 +227,11 @@ def _kernel_grads(q, k, v, dout, **kw):
     return out, torch.autograd.grad(out, (q, k, v), dout)
 
 
-def _check_grads(q, k, v, dout, grads, mask_mod=None, score_mod=None):
-    ref = _grads_of(lambda *t: attention_ref_mod(*t, mask_mod=mask_mod, score_mod=score_mod)[0], q, k, v, dout, True)
-    low = _grads_of(lambda *t: _reference_lowp(*t, mask_mod, score_mod), q, k, v, dout, False)
-    d_terms = _d_rounding_terms(q, k, v, dout, mask_mod, score_mod)
+def _check_grads(q, k, v, dout, grads, mask_mod=None, score_mod=None, sink=None):
+    ref = _grads_of(lambda *t: attention_ref_mod(*t, mask_mod=mask_mod, score_mod=score_mod, sink=sink)[0],
+                    q, k, v, dout, True)
+    low = _grads_of(lambda *t: _reference_lowp(*t, mask_mod, score_mod, sink), q, k, v, dout, False)
+    d_terms = _d_rounding_terms(q, k, v, dout, mask_mod, score_mod, sink)
     for name, g, g_ref, g_low, x, d_term in zip("qkv", grads, ref, low, (q, k, v), d_terms):
         assert g.shape == x.shape and g.dtype == x.dtype, f"d{name}: {tuple(g.shape)} {g.dtype}"
         assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
@@ -313,3 +318,65 @@ def test_softcap_score_mod_backward_matches_and_bites():
     # the cap bites: without it the gradients differ by far more than the bound
     plain = _grads_of(lambda *t: attention_ref_mod(*t, mask_mod=mask)[0], q, k, v, dout, True)
     assert (plain[0] - grads[0].float()).abs().max() > 0.1
+
+
+# ----------------------------------------------------------------------------------------
+# Attention sinks (learnable_sink): forward, backward and the sink's own gradient
+# ----------------------------------------------------------------------------------------
+
+SINK_CASES = {
+    # (mha kwargs, the same as mods for the reference, heads, heads_kv, head dim)
+    "causal_gqa": (dict(causal=True), lambda: (masks.causal(), None), 4, 2, 128),
+    "window_softcap": (dict(window_size=(64, 0), softcap=10.0),
+                       lambda: (masks.sliding_window(64, 0), masks.softcap(10.0)), 2, 2, 64),
+    "block_diffusion": (None, lambda: (masks.block_diffusion(16), None), 2, 1, 128),
+    "none": (dict(), lambda: (None, None), 2, 2, 128),
+}
+
+
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_learnable_sink_forward_and_backward(name):
+    kwargs, make, h, h_kv, d = SINK_CASES[name]
+    mask, score = make()
+    b, s = 2, 519
+    q, k, v = _inputs(b, s, s, h, h_kv, d, seed=len(name))
+    sink = torch.randn(h, device="cuda") * 2
+    call = dict(mask_mod=mask, score_mod=score) if kwargs is None else kwargs
+    poison_allocator(q.numel() * q.element_size(), q.numel() // q.shape[-1] * 4)
+    out, lse = cute_attn.mha(q, k, v, learnable_sink=sink, return_lse=True, **call)
+    out_ref, lse_ref = attention_ref_mod(q, k, v, mask_mod=mask, score_mod=score, sink=sink)
+    out_lp = _reference_lowp(q, k, v, mask, score, sink)
+    err, err_torch = ((o.float() - out_ref).abs().max().item() for o in (out, out_lp))
+    assert err <= 2 * err_torch + OUT_FLOOR, f"out: {err:.3g} > 2 x {err_torch:.3g}"
+    cap_err = 0.0 if score is None else 10.0 * 2 ** -10  # tanh.approx, see gpu_checks
+    assert (lse - lse_ref).abs().max().item() <= LSE_ATOL + cap_err
+    # backward: q, k, v as for the mods, and the sink's gradient against autograd's
+    dout = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
+    out = cute_attn.mha(*leaves[:3], learnable_sink=leaves[3], **call)
+    grads = torch.autograd.grad(out, leaves, dout)
+    _check_grads(q, k, v, dout, grads[:3], mask_mod=mask, score_mod=score, sink=sink)
+    # the sink's gradient: a sum over every row, so the floor scales with its size
+    sink32, sink_lp = (sink.detach().clone().requires_grad_() for _ in range(2))
+    (g32,) = torch.autograd.grad(attention_ref_mod(*(t.float() for t in (q, k, v)), mask_mod=mask, score_mod=score,
+                                                   sink=sink32)[0], sink32, dout.float())
+    (glp,) = torch.autograd.grad(_reference_lowp(q, k, v, mask, score, sink_lp), sink_lp, dout)
+    err = (grads[3] - g32).abs().max().item()
+    err_torch = (glp - g32).abs().max().item()
+    bound = 2 * err_torch + GRAD_FLOOR * max(1.0, g32.abs().max().item())
+    assert err <= bound, f"dsink: {err:.3g} > {bound:.3g} (torch {err_torch:.3g})"
+
+
+def test_sink_rows_that_see_no_key_and_a_dominant_sink():
+    """Causal with seqlen_q > seqlen_k: the first rows see no key, out = 0, lse = the
+    sink; a sink far above every score (80 nats) neither overflows nor leaves NaN."""
+    b, sq, sk, h, d = 1, 300, 200, 2, 128
+    q, k, v = _inputs(b, sq, sk, h, h, d, seed=3)
+    sink = torch.tensor([0.5, 80.0], device="cuda")
+    out, lse = cute_attn.mha(q, k, v, causal=True, learnable_sink=sink, return_lse=True)
+    out_ref, lse_ref = attention_ref_mod(q, k, v, mask_mod=masks.causal(), sink=sink)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert not out[:, : sq - sk].any()
+    assert torch.allclose(lse[:, :, : sq - sk], sink[None, :, None].expand(b, h, sq - sk))
+    assert (out.float() - out_ref).abs().max() < 2e-2 and (lse - lse_ref).abs().max() < LSE_ATOL
+    assert out[:, :, 1].abs().max() < 1e-20  # head 1: the sink takes all the weight

@@ -94,10 +94,14 @@ class OnlineSoftmax(Staged):
             O[r, None].store(O[r, None].load() * row_scale[r])
 
     @cute.jit
-    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor, out_scale=None):
+    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor, out_scale=None, sink_log2=None):
         """Normalise O by the row sums (summed across the quad first), times out_scale if
         given (FP8: V's descale), and write the natural-log LSE per row:
-        lse = max * scale + ln(sum)."""
+        lse = max * scale + ln(sum). sink_log2: an attention sink's logit times log2(e),
+        one more term of every row's sum (finalize_with_sink)."""
+        if cutlass.const_expr(sink_log2 is not None):
+            self.finalize_with_sink(acc_O, lse, out_scale, sink_log2)
+            return
         O = acc_as_rows_cols(acc_O)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
@@ -111,6 +115,28 @@ class OnlineSoftmax(Staged):
             if cutlass.const_expr(self.p_log2_offset != 0.0):
                 log2_sum = log2_sum - self.p_log2_offset
             lse[r] = -Float32.inf if empty else (self.row_max[r] * self.scale_log2 + log2_sum) * ln2
+
+    @cute.jit
+    def finalize_with_sink(self, acc_O: cute.Tensor, lse: cute.Tensor, out_scale, sink_log2: Float32):
+        """finalize with 2^sink_log2 added to each row's sum: out = sum_j p_j v_j / (sum_j
+        p_j + e^sink), lse = ln(sum_j e^s_j + e^sink). The sum is re-based on
+        top = max(row max, sink) so that neither term can overflow however far the sink
+        lies above the scores; a row that sees no key gets out = 0 and lse = sink."""
+        O = acc_as_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            safe_max = 0.0 if self.row_max[r] == -Float32.inf else self.row_max[r]
+            max_scaled = safe_max * self.scale_log2  # the exponent the row's p were taken against
+            if cutlass.const_expr(self.p_log2_offset != 0.0):
+                max_scaled = max_scaled - self.p_log2_offset
+            top = max_scaled if max_scaled > sink_log2 else sink_log2
+            rebase = cute.math.exp2(max_scaled - top, fastmath=True)
+            total = total * rebase + cute.math.exp2(sink_log2 - top, fastmath=True)  # >= 1
+            inv = rebase / total
+            if cutlass.const_expr(out_scale is not None):
+                inv = inv * out_scale
+            O[r, None].store(O[r, None].load() * inv)
+            lse[r] = (top + cute.math.log2(total, fastmath=True)) * math.log(2.0)
 
 
 @cute.jit

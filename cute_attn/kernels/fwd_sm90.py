@@ -67,6 +67,8 @@ Read the PTX without a GPU: python -m cute_attn ptx --dtype bf16 --headdim 128 [
 
 from typing import NamedTuple
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
@@ -129,6 +131,7 @@ class FwdGlobals(NamedTuple):
     # blocks/mods.BlockList (else stand-ins, unread)
     sparse: tuple
     aux: tuple  # the mods' aux tensors (masks.SeqInfo.aux); else a stand-in, unread
+    sink: cute.Tensor  # (heads,) float32 attention-sink logits; AttnFeatures.sink only
 
 
 class FwdLayouts(NamedTuple):
@@ -231,9 +234,13 @@ class FlashFwdSm90:
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mPageTable: cute.Tensor, split: SplitBuffers,
         descale: tuple, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32, window_left: Int32,
         window_right: Int32, num_splits: Int32, stream, sparse: tuple = None, aux: tuple = None,
+        sink: cute.Tensor = None,
     ):
-        """mO, mLSE: what the tiles write (split-KV: the partials). sparse, aux: the mod
-        entry point's block mask and aux tensors (others: None, stand-ins are used)."""
+        """mO, mLSE: what the tiles write (split-KV: the partials). sparse, aux, sink: the
+        mod entry point's block mask, aux tensors and sink logits (others: None, stand-ins
+        are used)."""
+        if cutlass.const_expr(sink is None):
+            sink = mLSE
         if cutlass.const_expr(sparse is None):
             sparse = (mLSE, mLSE, mLSE, mLSE)
         if cutlass.const_expr(aux is None):
@@ -282,7 +289,7 @@ class FlashFwdSm90:
             v=make_tma_tensor(load_op, mV, v_box, (self.kv_box_rows, d)),
             o=self._o_store(mO, layouts.sO, q_tma),
             o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, page_table=mPageTable,
-            split=split, descale=descale, sparse=sparse, aux=aux,
+            split=split, descale=descale, sparse=sparse, aux=aux, sink=sink,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, layouts.sQ)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage)
@@ -610,7 +617,11 @@ class FlashFwdSm90:
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
 
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
-        softmax.finalize(acc_O, lse, v_descale)
+        sink_log2 = None
+        if cutlass.const_expr(self.features.sink):
+            # one query head per tile (no packed GQA with a sink, config.pack_gqa_for)
+            sink_log2 = g.sink[tile.head] * math.log2(math.e)
+        softmax.finalize(acc_O, lse, v_descale, sink_log2)
         if cutlass.const_expr(self.split_kv):
             self.store_partials(acc_O, lse, g, tiled_mma_pv, tidx, tile, seqlen)
             self.merge_if_last(g, smem, tile, seqlen, block_range.num_splits, tidx)
@@ -916,7 +927,9 @@ class FlashFwdSm90Mods(FlashFwdSm90):
     """The forward with mask and/or score mods (AttnFeatures.mask_mod / score_mod,
     cute_attn/masks.py): the dense kernel walking a block mask's tile lists (a mask mod)
     and applying the mods per element (blocks/mods.py). The mods' aux tensors arrive as
-    one tuple, the mask mod's first; a call without aux tensors passes one stand-in."""
+    one tuple, the mask mod's first; a call without aux tensors passes one stand-in.
+    The same entry point carries attention sinks (AttnFeatures.sink, with or without
+    mods: then the mask kind, window and softcap are the dense kernel's)."""
 
     @cute.jit
     def __call__(
@@ -933,11 +946,15 @@ class FlashFwdSm90Mods(FlashFwdSm90):
         mFullCount: cute.Tensor,
         mFullIdx: cute.Tensor,
         aux: tuple,
+        mSink: cute.Tensor,  # (heads,) float32 sink logits (AttnFeatures.sink), else a stand-in
         max_seqlen_q: Int32,
         softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
         stream,
     ):
         split = SplitBuffers(mO, mLSE, mO, mLSE, mCuSeqlensK)  # unread stand-ins
         self.launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mCuSeqlensK, split, (mLSE, mLSE, mLSE),
-                    max_seqlen_q, softmax_scale, Float32(0.0), Int32(0), Int32(0), Int32(1), stream,
-                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx), aux=aux)
+                    max_seqlen_q, softmax_scale, softcap, window_left, window_right, Int32(1), stream,
+                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx), aux=aux, sink=mSink)
