@@ -177,22 +177,22 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
         for i, t in enumerate(() if mod is None else mod.aux):
             if t.device != q.device:
                 raise ValueError(f"{mod.name}'s aux tensor {i} is on {t.device}, q on {q.device}")
-    if has_mods:
-        features = AttnFeatures(mask_mod=None if mask is None else mask.spec,
-                                score_mod=None if score is None else score.spec, sink=sink is not None)
-        run_args = RunArgs(scale)
-    else:  # a sink with the dense kernel's mask kind, window and softcap
-        features, run_args = _features_and_args(causal, window, softcap, scale)
-        features = dataclasses.replace(features, sink=True)
-    if _traced(q):
-        raise NotImplementedError("mask/score mods and sinks have no torch.compile op yet: call mha eagerly")
-    settings = _AttentionSettings(features, run_args, False, no_kernel, mods=(mask, score, block_mask))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (sink is not None and sink.requires_grad)):
-        if deterministic and has_mods:
-            raise NotImplementedError("deterministic=True has no backward with mask/score mods yet (its dQ order "
-                                      "assumes contiguous tile ranges, a block mask's lists are not)")
-        settings.deterministic = deterministic
+    # the mods replace the mask kind (then "none"); a sink alone keeps causal/window/softcap
+    features, run_args = _features_and_args(causal, window, softcap, scale)
+    features = dataclasses.replace(features, mask_mod=None if mask is None else mask.spec,
+                                   score_mod=None if score is None else score.spec, sink=sink is not None)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or (sink is not None and sink.requires_grad))
+    if needs_grad and deterministic and has_mods:
+        raise NotImplementedError("deterministic=True has no backward with mask/score mods yet (its dQ order "
+                                  "assumes contiguous tile ranges, a block mask's lists are not)")
+    if not no_kernel and _traced(q):
+        from cute_attn import ops
+
+        out, lse = ops.attention_mods(q, k, v, features, run_args, deterministic, mask, score, block_mask, sink)
+        return (out, lse) if return_lse else out
+    settings = _AttentionSettings(features, run_args, deterministic, no_kernel, mods=(mask, score, block_mask))
+    if needs_grad:
         out, lse = _AttentionFunction.apply(q, k, v, settings, sink)
         return (out, lse) if return_lse else out
     out, lse = _mods_forward(q, k, v, settings, sink, need_lse=return_lse)
@@ -467,21 +467,19 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
         s = ctx.settings
-        dsink = None
-        if sink is not None and ctx.needs_input_grad[4]:
-            # d lse_i / d sink = e^{sink - lse_i} and out_i moves by -that * out_i, so
-            # dsink = -sum_i e^{sink - lse_i} D_i with D_i = dO_i . O_i (the backward's D)
-            d = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, seqlen_q)
-            dsink = -(torch.exp(sink[None, :, None] - lse) * d).sum((0, 2))
+        want_sink = sink is not None and ctx.needs_input_grad[4]
         if s.no_kernel:
-            # out is 0 (or empty) whatever q, k, v are: zero gradients of their shapes
+            # out is 0 (or empty) whatever q, k, v (and the sink) are: zero gradients
+            dsink = torch.zeros_like(sink) if want_sink else None
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, dsink
-        mods = {} if s.mods is None else {"mods": s.mods[:2]}
-        dq, dk, dv = _launcher().run_bwd(
+        extra = {} if s.mods is None else {"mods": s.mods[:2]}
+        if want_sink:
+            extra["sink"] = sink  # run_bwd then returns dsink too
+        grads = _launcher().run_bwd(
             prepare_dout(dout, out), q, k, v, out, lse, s.features, s.run_args,
-            deterministic=s.deterministic, **mods,
+            deterministic=s.deterministic, **extra,
         )
-        return dq, dk, dv, None, dsink
+        return (*grads[:3], None, grads[3] if want_sink else None)
 
 
 _launcher_module = None

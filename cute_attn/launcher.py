@@ -500,10 +500,8 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
     at this shape (None: built once per (mask, shape) and cached), sink float32 (heads,)
     logits when features.sink (args then may carry a mask kind's window and a softcap).
     Returns (out, lse)."""
-    from cute_attn.config import mod_fwd_config_for
-
     head_dim = q.shape[-1]
-    config = mod_fwd_config_for(head_dim)
+    config = fwd_config_for(head_dim, features)  # the mods' tiles (the block mask's), or a sink's dense ones
     fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config))
     lists, aux = _mod_arguments(q, k, config.tile_m, config.tile_n, mask_mod, score_mod, block_mask)
     out, lse = _outputs(q, features, need_lse)
@@ -941,17 +939,19 @@ def run_bwd(
     deterministic: bool = False,
     config: Optional[BwdConfig] = None,
     mods: Optional[tuple] = None,
+    sink: Optional[torch.Tensor] = None,
 ):
     """Gradients (dq, dk, dv) of the forward that produced (out, lse), each laid out like
     its input. dout must be TMA-addressable like q (validation.prepare_dout). features and
     args as for run_fwd; mods: (mask_mod, score_mod) masks.Modifier or None, as for
     run_fwd_mods (dense inputs, not deterministic); the backward's block mask is built
-    and cached here."""
+    and cached here. sink: the forward's (heads,) float32 sink logits, whose gradient is
+    then returned too: (dq, dk, dv, dsink)."""
     head_dim = q.shape[-1]
     if features.sink:
-        # the sink enters the backward only through the forward's lse (api computes its
-        # own gradient): the sink-free kernels serve
+        # the sink enters the kernels only through the forward's lse: the sink-free ones serve
         features = dataclasses.replace(features, sink=False)
+    lse_in = lse
     if config is None:
         config = bwd_config_for(head_dim, features)
     pre, main, post = get_bwd_kernels(
@@ -991,6 +991,17 @@ def run_bwd(
         main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, *lists, aux, args.max_seqlen_k,
              args.softmax_scale)
     post(dq_accum, dq4, cu_q, args.max_seqlen_q, args.softmax_scale)
-    return dq, dk, dv
+    if sink is None:
+        return dq, dk, dv
+    return dq, dk, dv, _sink_grad(dsum[..., :lse_in.shape[-1]], lse_in, sink)
+
+
+def _sink_grad(d: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """The attention sinks' gradient from the backward's D = rowsum(dO * O) (the
+    preprocess kernel's, (batch, heads, seqlen_q)): the sink moves each row's lse by
+    p_i = e^{sink - lse_i} and its out by -p_i out_i, so dsink = -sum_i p_i D_i. A torch
+    reduction over batch x heads x seqlen_q values (reading dO and O again in torch cost
+    0.4-0.9 ms per call at 2 x 8K tokens, H100, perf/NOTES.md)."""
+    return -(torch.exp(sink[None, :, None] - lse) * d).sum((0, 2))
 
 

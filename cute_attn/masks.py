@@ -39,6 +39,7 @@ nothing at run time but the arithmetic). Beyond arithmetic a score mod may call
 and fails the backward's compile with a message naming the mod.
 """
 
+import copy
 import hashlib
 import inspect
 import math
@@ -209,6 +210,11 @@ class Modifier:
     """
 
     def __init__(self, kind: str, fn: Callable, aux: Sequence[torch.Tensor] = (), name: Optional[str] = None):
+        if torch.compiler.is_compiling():
+            # the key below reads bytecode and hashes it, which dynamo cannot trace
+            raise RuntimeError("a mask/score mod cannot be made inside a torch.compile'd function: make it outside "
+                               "(masks.document(ids), Modifier(...), once per step if its aux tensors change) and "
+                               "pass it in; a new mod with the same body and constants does not recompile")
         if kind not in ("mask", "score"):
             raise ValueError(f"kind must be 'mask' or 'score', got {kind!r}")
         if not callable(fn):
@@ -233,18 +239,32 @@ class Modifier:
         if self.aux and not self.takes_seq:
             raise TypeError(f"{getattr(fn, '__name__', fn)} has aux tensors but no seq parameter to read them")
         self.name = name or getattr(fn, "__name__", kind + "_mod")
-        self._spec = None
+        # computed now, not on first use: torch.compile may trace that first use, and the
+        # key's bytecode walk and hash are not traceable (a captured tensor raises here)
+        body = _function_identity(fn) if isinstance(fn, types.FunctionType) else (type(fn).__qualname__,)
+        aux_signature = tuple((t.dtype, t.dim()) for t in self.aux)
+        key = (self.kind, self.name, body, aux_signature)
+        self.spec = ModSpec(self.kind, fn, self.takes_seq, self.name, key, aux_signature)
+        if self.spec.digest not in _BY_DIGEST:
+            template = copy.copy(self)
+            template.aux = ()
+            _BY_DIGEST[self.spec.digest] = template
 
-    @property
-    def spec(self) -> ModSpec:
-        """Computed on first use (a captured tensor raises here, telling to use aux)."""
-        if self._spec is None:
-            fn = self.fn
-            body = _function_identity(fn) if isinstance(fn, types.FunctionType) else (type(fn).__qualname__,)
-            aux_signature = tuple((t.dtype, t.dim()) for t in self.aux)
-            key = (self.kind, self.name, body, aux_signature)
-            self._spec = ModSpec(self.kind, fn, self.takes_seq, self.name, key, aux_signature)
-        return self._spec
+    def rebound(self, aux: Sequence[torch.Tensor]) -> "Modifier":
+        """This mod reading other aux tensors of the same dtypes and ranks (its key)."""
+        bound = copy.copy(self)
+        bound.aux = tuple(aux)
+        return bound
+
+    @staticmethod
+    def by_digest(digest: str) -> "Modifier":
+        """The mod whose spec has this digest, bound to no aux tensors (rebound gives them):
+        the custom ops name their mods by digest (ops.fwd_mods: an op's arguments are
+        tensors and scalars, not functions)."""
+        try:
+            return _BY_DIGEST[digest]
+        except KeyError:
+            raise KeyError(f"no mask/score mod with digest {digest!r} was made in this process") from None
 
     @property
     def key(self) -> tuple:
@@ -275,6 +295,11 @@ class Modifier:
 
     def __repr__(self):
         return f"<{self.kind} mod {self.name}>"
+
+
+# Every mod made in this process, by its spec's digest, without aux tensors
+# (Modifier.by_digest); one entry per distinct kernel body and constants
+_BY_DIGEST: dict = {}
 
 
 def _mask(fn, name, aux=()):

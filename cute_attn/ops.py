@@ -1,6 +1,6 @@
 """The kernels as torch.library custom ops, for torch.compile, torch.export and FakeTensorMode.
 
-Six ops in the namespace `cute_attn`, each with a fake (meta) implementation that only
+Eight ops in the namespace `cute_attn`, each with a fake (meta) implementation that only
 allocates outputs shaped and laid out as the launcher's, and the forwards differentiable
 through `register_autograd`:
 
@@ -18,6 +18,18 @@ through `register_autograd`:
                            int num_splits) -> (out, lse)
     cute_attn::kv_append(Tensor k, Tensor v, Tensor(a2!) k_cache, Tensor(a3!) v_cache,
                          Tensor cache_seqlens, Tensor? page_table) -> Tensor new_lengths
+    cute_attn::fwd_mods(q, k, v, Tensor[] aux, Tensor[] block_mask, Tensor? sink,
+                        str mods, <the six>) -> (out, lse)
+    cute_attn::bwd_mods(dout, q, k, v, out, lse, Tensor[] aux, Tensor? sink, str mods,
+                        <the six>) -> (dq, dk, dv, dsink)
+
+The mods' ops (mask/score mods, attention sinks) name their mods by the digests of their
+specs, "mask/score" ("" for none): a mod is a compile-time constant of its kernel, not a
+tensor, so the op carries a string and the real implementation finds the function again
+(masks.Modifier.by_digest) and binds it to the aux tensors it receives (the mask mod's
+first). block_mask is a BlockMask's four lists (checked against the call while tracing)
+or empty (the launcher builds and caches one); sink the (heads,) float32 logits or None;
+bwd_mods returns the sink's gradient (empty without a sink: an op returns no None).
 
 The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
 builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
@@ -34,6 +46,7 @@ host time to every call (perf/NOTES.md). Importing this module registers the ops
 imports no DSL; the launcher is imported on the first real call.
 """
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -44,7 +57,8 @@ from cute_attn.config import DTYPE_OF_INPUT, AttnFeatures, DtypePolicy, RunArgs,
 from cute_attn import validation
 from cute_attn.validation import _layout_problem, prepare_dout
 
-__all__ = ["attention", "attention_kvcache", "fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_kvcache", "kv_append"]
+__all__ = ["attention", "attention_kvcache", "attention_mods", "fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_kvcache",
+           "kv_append", "fwd_mods", "bwd_mods"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -167,6 +181,61 @@ def _kv_append_impl(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     return api._launcher().run_append(k, v, k_cache, v_cache, cache_seqlens, page_table)
 
 
+def _unpack_mods(mods: str, aux, sink, mask, softmax_scale, softcap, window_left, window_right):
+    """(features, run_args, mask_mod, score_mod) of a mods op: _unpack's, with the mods
+    found by their digests (masks.Modifier.by_digest) and bound to aux (the mask mod's
+    first), and the sink's flag; as api._run_mods built them."""
+    from cute_attn.masks import Modifier
+
+    features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right)
+    mask_digest, score_digest = mods.split("/")
+    bound, start = [], 0
+    for digest in (mask_digest, score_digest):
+        if not digest:
+            bound.append(None)
+            continue
+        template = Modifier.by_digest(digest)
+        count = len(template.spec.aux_signature)
+        bound.append(template.rebound(aux[start:start + count]))
+        start += count
+    mask_mod, score_mod = bound
+    features = dataclasses.replace(features, mask_mod=None if mask_mod is None else mask_mod.spec,
+                                   score_mod=None if score_mod is None else score_mod.spec, sink=sink is not None)
+    return features, run_args, mask_mod, score_mod
+
+
+def _fwd_mods_impl(q: Tensor, k: Tensor, v: Tensor, aux: list[Tensor], block_mask: list[Tensor],
+                   sink: Optional[Tensor], mods: str, mask: str, softmax_scale: float, softcap: float,
+                   window_left: int, window_right: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of validated dense inputs with mods and/or a sink."""
+    from cute_attn.block_mask import BlockMask
+    from cute_attn.config import mod_fwd_config_for
+
+    _check_pointers("q", q, "k", k, "v", v)
+    features, run_args, mask_mod, score_mod = _unpack_mods(mods, aux, sink, mask, softmax_scale, softcap,
+                                                           window_left, window_right)
+    prebuilt = None
+    if block_mask:  # checked against this call's shape and mask while tracing (attention_mods)
+        config = mod_fwd_config_for(q.shape[-1])
+        prebuilt = BlockMask(*block_mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], config.tile_m,
+                             config.tile_n, mask_mod.key)
+    return api._launcher().run_fwd_mods(q, k, v, features, run_args, mask_mod, score_mod, prebuilt, sink=sink)
+
+
+def _bwd_mods_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: list[Tensor],
+                   sink: Optional[Tensor], mods: str, mask: str, softmax_scale: float, softcap: float,
+                   window_left: int, window_right: int,
+                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsink) of fwd_mods's (out, lse); dsink is empty when sink is None
+    (an op returns tensors, not None)."""
+    _check_pointers("q", q, "k", k, "v", v, "out", out)
+    features, run_args, mask_mod, score_mod = _unpack_mods(mods, aux, sink, mask, softmax_scale, softcap,
+                                                           window_left, window_right)
+    grads = api._launcher().run_bwd(_aligned_dout(dout, q), q, k, v, out, lse, features, run_args,
+                                    deterministic=deterministic, mods=(mask_mod, score_mod), sink=sink)
+    return (*grads, lse.new_empty(0)) if sink is None else grads
+
+
 # The ops run their real implementations on CUDA tensors only (the CPU tests register
 # the same functions for the CPU, with a stand-in launcher)
 fwd = torch.library.custom_op("cute_attn::fwd", _fwd_impl, mutates_args=(), device_types="cuda")
@@ -179,6 +248,8 @@ fwd_kvcache = torch.library.custom_op("cute_attn::fwd_kvcache", _fwd_kvcache_imp
                                       device_types="cuda")
 kv_append = torch.library.custom_op("cute_attn::kv_append", _kv_append_impl, mutates_args=("k_cache", "v_cache"),
                                     device_types="cuda")
+fwd_mods = torch.library.custom_op("cute_attn::fwd_mods", _fwd_mods_impl, mutates_args=(), device_types="cuda")
+bwd_mods = torch.library.custom_op("cute_attn::bwd_mods", _bwd_mods_impl, mutates_args=(), device_types="cuda")
 
 
 # ----------------------------------------------------------------------------------------
@@ -212,6 +283,13 @@ def _(q, k_cache, v_cache, seqlens_k, page_table, mask, softmax_scale, softcap, 
     return _fake_out(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
+@fwd_mods.register_fake
+def _(q, k, v, aux, block_mask, sink, mods, mask, softmax_scale, softcap, window_left, window_right,
+      deterministic):
+    batch, seqlen_q, heads, _ = q.shape
+    return _fake_out(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
 @kv_append.register_fake
 def _(k, v, k_cache, v_cache, cache_seqlens, page_table):
     return torch.empty_like(cache_seqlens)
@@ -224,6 +302,12 @@ def _fake_grads(dout, q, k, v, *rest):
 
 bwd.register_fake(_fake_grads)
 bwd_varlen.register_fake(_fake_grads)
+
+
+@bwd_mods.register_fake
+def _(dout, q, k, v, out, lse, aux, sink, mods, *six):
+    dsink = lse.new_empty(0) if sink is None else torch.empty_like(sink)
+    return (*_fake_grads(dout, q, k, v), dsink)
 
 
 # ----------------------------------------------------------------------------------------
@@ -262,7 +346,31 @@ def _backward_fwd_varlen(ctx, dout, _dlse):
     return (dq, dk, dv, None, None) + (None,) * len(ctx.params)
 
 
+_MODS_TENSORS = 6  # q, k, v, aux, block_mask, sink; then mods and the six
+
+
+def _setup_fwd_mods(ctx, inputs, output):
+    q, k, v, aux, block_mask, sink = inputs[:_MODS_TENSORS]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sink, *aux)
+    ctx.params = inputs[_MODS_TENSORS:]
+    ctx.lists = (len(aux), len(block_mask))  # their gradients: lists of None as long
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_fwd_mods(ctx, dout, _dlse):
+    q, k, v, out, lse, sink, *aux = ctx.saved_tensors
+    want_sink = sink is not None and ctx.needs_input_grad[5]
+    dq, dk, dv, dsink = bwd_mods(prepare_dout(dout, out), q, k, v, out, lse, aux, sink if want_sink else None,
+                                 *ctx.params)
+    if not want_sink:
+        dsink = None
+    no_aux, no_lists = ([None] * n for n in ctx.lists)
+    return (dq, dk, dv, no_aux, no_lists, dsink) + (None,) * len(ctx.params)
+
+
 fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
+fwd_mods.register_autograd(_backward_fwd_mods, setup_context=_setup_fwd_mods)
 fwd_varlen.register_autograd(_backward_fwd_varlen, setup_context=_setup_fwd_varlen)
 
 
@@ -289,3 +397,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_args:
         return fwd_varlen(q, k, v, run_args.cu_seqlens_q, run_args.cu_seqlens_k, run_args.max_seqlen_q,
                           run_args.max_seqlen_k, *params)
     return fwd(q, k, v, *params)
+
+
+def attention_mods(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_args: RunArgs,
+                   deterministic: bool, mask_mod, score_mod, block_mask, sink: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a validated call with mods and/or a sink through cute_attn::fwd_mods
+    (mask_mod, score_mod masks.Modifier or None; block_mask a BlockMask, checked here
+    against this call, or None), differentiable through its registered autograd."""
+    from cute_attn import block_mask as bm
+    from cute_attn.config import mod_fwd_config_for
+
+    lists = []
+    if block_mask is not None:
+        config = mod_fwd_config_for(q.shape[-1])
+        bm.check_block_mask(block_mask, mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1], config.tile_m,
+                            config.tile_n)
+        lists = [block_mask.partial_count, block_mask.partial_idx, block_mask.full_count, block_mask.full_idx]
+    mods = "/".join("" if m is None else m.spec.digest for m in (mask_mod, score_mod))
+    aux = [t for m in (mask_mod, score_mod) if m is not None for t in m.aux]
+    return fwd_mods(q, k, v, aux, lists, sink, mods, *_pack(features, run_args), deterministic)

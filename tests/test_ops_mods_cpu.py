@@ -1,0 +1,314 @@
+"""The mods' custom ops (cute_attn::fwd_mods / bwd_mods) on the CPU: schemas, opcheck,
+torch.compile(fullgraph=True) of mha with a mask mod (with an aux tensor), a user's block
+mask and a learnable sink, and the op path equal to the direct one. The real
+implementations run behind a stand-in launcher computing the fp32 reference with the
+mods (mask_reference.attention_ref_mod) and its gradients in closed form from the saved
+lse, the way the kernels do."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import cute_attn.api as api
+import cute_attn.launcher as launcher_module
+import cute_attn.ops as ops
+import cute_attn.validation as validation
+from cute_attn import block_mask as bm
+from cute_attn import masks
+from cute_attn.mask_reference import attention_ref_mod, dense_mask
+from test_ops_cpu import OPCHECK_UTILS, SIX, CountingBackend, ops_mha
+
+
+class ModsStandIn:
+    """run_fwd_mods / run_bwd(mods=) by the fp32 reference (dense mask kinds as mods)."""
+
+    def __init__(self):
+        self.fwd_calls, self.bwd_calls = [], []
+
+    @staticmethod
+    def _mask(features, mask_mod):
+        if mask_mod is not None:
+            return mask_mod
+        assert features.mask in ("none", "causal") and not features.softcap, "the stand-in covers these"
+        return masks.causal() if features.mask == "causal" else None
+
+    def run_fwd_mods(self, q, k, v, features, args, mask_mod, score_mod, block_mask=None, need_lse=True, sink=None):
+        assert score_mod is None, "the stand-in's backward has no score-mod derivative"
+        self.fwd_calls.append(dict(features=features, args=args, mask=mask_mod, block_mask=block_mask, sink=sink))
+        if block_mask is not None:
+            config = __import__("cute_attn.config", fromlist=["x"]).mod_fwd_config_for(q.shape[-1])
+            bm.check_block_mask(block_mask, mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                                config.tile_m, config.tile_n)
+        o, lse = attention_ref_mod(q, k, v, mask_mod=self._mask(features, mask_mod), softmax_scale=args.softmax_scale,
+                                   sink=sink)
+        out = torch.empty_like(q)
+        out.copy_(o)
+        return out, lse.contiguous()
+
+    def run_bwd(self, dout, q, k, v, out, lse, features, args, deterministic=False, config=None, mods=None,
+                sink=None):
+        self.bwd_calls.append(dict(features=features, mods=mods, sink=sink))
+        mask_mod = self._mask(features, None if mods is None else mods[0])
+        grads = _grads_from_lse(dout, q, k, v, out, lse, args.softmax_scale, mask_mod)
+        if sink is None:
+            return grads
+        # launcher._sink_grad on the D the preprocess kernel would compute
+        d = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        return (*grads, launcher_module._sink_grad(d, lse, sink))
+
+
+def _grads_from_lse(dout, q, k, v, out, lse, scale, mask_mod):
+    """The kernels' backward in closed form: P = exp(S - lse) (a sink is in lse), dS =
+    P (dP - D) with D = dO . O. Not autograd: an op's kernel runs below the autograd key."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    group = h // hk
+    do, qf = dout.float(), q.float()
+    kf, vf = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    p = torch.exp(s - lse.unsqueeze(-1))
+    if mask_mod is not None:
+        p = p.masked_fill(~dense_mask(mask_mod, b, h, sq, sk), 0.0)
+    p = torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
+    big_d = (do * out.float()).sum(-1).transpose(1, 2).unsqueeze(-1)
+    ds = p * (dp - big_d)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    dk, dv = (t.reshape(b, sk, hk, group, d).sum(3) for t in (dk, dv))
+    return tuple(g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v)))
+
+
+_registered = []
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    if not _registered:
+        for name, impl in (("fwd_mods", ops._fwd_mods_impl), ("bwd_mods", ops._bwd_mods_impl)):
+            torch.library.register_kernel(f"cute_attn::{name}", "cpu", impl)
+        _registered.append(True)
+    launcher = ModsStandIn()
+    monkeypatch.setattr(api, "_launcher_module", launcher)
+    monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
+    return launcher
+
+
+def _qkv(b, s, h, h_kv, d=64, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(b, s, n, d, generator=g) * 0.7).to(dtype) for n in (h, h_kv, h_kv))
+
+
+def _doc_ids(b, s):
+    return (torch.arange(s)[None, :] * 3 // s + torch.arange(b)[:, None]).to(torch.int32).contiguous()
+
+
+def test_schemas():
+    fwd = str(torch.ops.cute_attn.fwd_mods.default._schema)
+    bwd = str(torch.ops.cute_attn.bwd_mods.default._schema)
+    assert fwd == ("cute_attn::fwd_mods(Tensor q, Tensor k, Tensor v, Tensor[] aux, Tensor[] block_mask, "
+                   f"Tensor? sink, str mods, {SIX}) -> (Tensor, Tensor)")
+    assert bwd == ("cute_attn::bwd_mods(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                   f"Tensor[] aux, Tensor? sink, str mods, {SIX}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def test_digest_finds_the_mod_and_rebinds_its_aux():
+    ids = _doc_ids(2, 10)
+    doc = masks.document(ids, causal=True)
+    template = masks.Modifier.by_digest(doc.spec.digest)
+    assert template.spec == doc.spec and template.aux == ()
+    other = _doc_ids(2, 10).flip(1).contiguous()
+    rebound = template.rebound((other,))
+    assert torch.equal(dense_mask(rebound, 2, 1, 10, 10), dense_mask(masks.document(other, causal=True), 2, 1, 10, 10))
+    with pytest.raises(KeyError, match="no mask/score mod"):
+        masks.Modifier.by_digest("0" * 16)
+
+
+def _mods_args(mask_mod=None, sink=None, lists=(), scale=64 ** -0.5, causal=False):
+    features, run_args = api._features_and_args(causal, api._NO_WINDOW, 0.0, scale)
+    mods = f"{'' if mask_mod is None else mask_mod.spec.digest}/"
+    aux = [] if mask_mod is None else list(mask_mod.aux)
+    return aux, list(lists), sink, mods, *ops._pack(features, run_args), False
+
+
+@pytest.mark.parametrize("case", ["document_aux", "sink_causal", "block_diffusion_user_block_mask"])
+def test_opcheck_mods(stand_in, case):
+    b, s, h, h_kv = 2, 11, 4, 2
+    q, k, v = (t.requires_grad_() for t in _qkv(b, s, h, h_kv, seed=1))
+    if case == "document_aux":
+        args = _mods_args(masks.document(_doc_ids(b, s), causal=True))
+    elif case == "sink_causal":
+        args = _mods_args(sink=torch.randn(h).requires_grad_(), causal=True)
+    else:
+        mod = masks.block_diffusion(3)
+        built = bm.create_block_mask(mod, b, h, s, s, head_dim=64)
+        args = _mods_args(mod, lists=(built.partial_count, built.partial_idx, built.full_count, built.full_idx))
+    torch.library.opcheck(torch.ops.cute_attn.fwd_mods.default, (q, k, v, *args), test_utils=OPCHECK_UTILS)
+    out, lse = (t.detach() for t in torch.ops.cute_attn.fwd_mods(q.detach(), k.detach(), v.detach(), *args))
+    assert out.shape == q.shape and lse.shape == (b, h, s)
+    aux, _lists, sink, *rest = args
+    sink = None if sink is None else sink.detach()
+    torch.library.opcheck(torch.ops.cute_attn.bwd_mods.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, aux, sink, *rest),
+                          test_utils=OPCHECK_UTILS)
+
+
+def test_closed_form_grads_are_autograds():
+    """The stand-in's backward (from lse) against autograd through attention_ref_mod,
+    with a mask that leaves rows without keys and a sink."""
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 9, 2, 1, seed=2))
+    sink = torch.tensor([0.3, -1.0])
+    mod = masks.and_masks(masks.causal(), masks.prefix_lm(torch.tensor([0], dtype=torch.int32)))
+    out, lse = attention_ref_mod(q, k, v, mask_mod=mod, sink=sink)
+    dout = torch.randn_like(out)
+    expected = torch.autograd.grad(out, (q, k, v), dout)
+    got = _grads_from_lse(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), 64 ** -0.5, mod)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def _block(x, w_qkv, w_out, heads, sink, mask_mod, block_mask=None):
+    b, s, dim = x.shape
+    q, k, v = (x @ w_qkv).view(b, s, 3, heads, dim // heads).unbind(2)
+    o = api.mha(q, k, v, mask_mod=mask_mod, learnable_sink=sink, block_mask=block_mask)
+    return x + o.reshape(b, s, dim) @ w_out
+
+
+def _block_inputs(seqlen, heads, dim=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, seqlen, dim, generator=g) * 0.5).to(torch.bfloat16).requires_grad_()
+    w_qkv = (torch.randn(dim, 3 * dim, generator=g) / dim ** 0.5).to(torch.bfloat16).requires_grad_()
+    w_out = (torch.randn(dim, dim, generator=g) / dim ** 0.5).to(torch.bfloat16).requires_grad_()
+    sink = torch.randn(heads, generator=g).requires_grad_()
+    return x, w_qkv, w_out, sink
+
+
+def test_compile_fullgraph_mods_and_sink_no_recompile(stand_in):
+    """A transformer block with a document mask (an aux tensor per length) and a learnable
+    sink under torch.compile(fullgraph=True, dynamic=True): no graph break, the graph
+    calls fwd_mods / bwd_mods, three sequence lengths share one compile, and outputs and
+    gradients (the sink's too) equal eager mha's."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend = CountingBackend()
+    heads = 2
+
+    def block(x, w1, w2, sink, mask_mod):
+        return _block(x, w1, w2, heads, sink, mask_mod)
+
+    compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
+    try:
+        for seqlen in (40, 56, 72):
+            leaves = _block_inputs(seqlen, heads, seed=seqlen)
+            ids = masks.document(_doc_ids(2, seqlen), causal=True)  # a new Modifier (and aux) per step
+            y = compiled(*leaves, ids)
+            dy = torch.randn_like(y)
+            y.backward(dy)
+            twins = [t.detach().clone().requires_grad_() for t in leaves]
+            y2 = block(*twins, ids)
+            y2.backward(dy)
+            torch.testing.assert_close(y, y2)
+            for t, t2 in zip(leaves, twins):
+                torch.testing.assert_close(t.grad, t2.grad)
+        assert set(backend.compile_ids) == {(0, 0)}
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        assert "cute_attn.fwd_mods.default" in backend.ops and "cute_attn.bwd_mods.default" in backend.ops
+        # eager and compiled calls both reached the stand-in, forward and backward
+        assert len(stand_in.fwd_calls) == 6 and len(stand_in.bwd_calls) == 6
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compile_with_a_user_block_mask(stand_in):
+    """A block mask built outside the compiled function reaches the kernel as its lists
+    (the stand-in checks it); a block mask of another shape is refused while tracing."""
+    torch._dynamo.reset()
+    heads, seqlen = 2, 48
+    mod = masks.block_diffusion(4)
+    built = bm.create_block_mask(mod, 2, heads, seqlen, seqlen, head_dim=64)
+    compiled = torch.compile(lambda *t: _block(*t, heads, None, mod, built), backend="aot_eager", fullgraph=True)
+    try:
+        x, w1, w2, _ = _block_inputs(seqlen, heads)
+        y = compiled(x, w1, w2)
+        y2 = _block(x, w1, w2, heads, None, mod)
+        torch.testing.assert_close(y, y2)
+        assert stand_in.fwd_calls[0]["block_mask"] is not None
+        wrong = bm.create_block_mask(mod, 2, heads, seqlen + 8, seqlen + 8, head_dim=64)
+        with pytest.raises(Exception, match="block_mask was built for"):
+            torch.compile(lambda *t: _block(*t, heads, None, mod, wrong), backend="aot_eager", fullgraph=True)(x, w1, w2)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("case", ["document", "sink_causal", "sink_and_mask"])
+def test_op_path_equals_direct_path(stand_in, case):
+    """api.mha with mods through the ops (as traced) and directly: same features to the
+    launcher, same results and gradients."""
+    b, s, h = 2, 13, 2
+    ids = _doc_ids(b, s)
+    kwargs = {"document": dict(mask_mod=masks.document(ids)),
+              "sink_causal": dict(causal=True),
+              "sink_and_mask": dict(mask_mod=masks.document(ids, causal=True))}[case]
+    inputs = [t.requires_grad_() for t in _qkv(b, s, h, h, seed=3, dtype=torch.bfloat16)]
+    if case != "document":
+        inputs.append(torch.randn(h).requires_grad_())
+    twins = [t.detach().clone().requires_grad_() for t in inputs]
+
+    def call(fn, ts):
+        sink = ts[3] if len(ts) > 3 else None
+        return fn(*ts[:3], learnable_sink=sink, return_lse=True, **kwargs)
+
+    out, lse = call(ops_mha, inputs)
+    out2, lse2 = call(api.mha, twins)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    out2.backward(dout)
+    torch.testing.assert_close((out, lse), (out2, lse2), rtol=0, atol=0)
+    for t, t2 in zip(inputs, twins):
+        torch.testing.assert_close(t.grad, t2.grad, rtol=0, atol=0)
+    fwd_a, fwd_b = stand_in.fwd_calls
+    assert fwd_a["features"] == fwd_b["features"] and fwd_a["args"] == fwd_b["args"]
+    # the backward's features, but for the sink flag (run_bwd drops it: the sink is in lse)
+    bwd_a, bwd_b = (dataclasses.replace(c["features"], sink=False) for c in stand_in.bwd_calls)
+    assert bwd_a == bwd_b
+
+
+def test_a_mod_made_inside_the_compiled_function_is_refused_clearly(stand_in):
+    """Making a mod reads its bytecode (its kernel's key), which dynamo cannot trace: the
+    error says to make it outside."""
+    torch._dynamo.reset()
+    q, k, v = _qkv(1, 16, 2, 2, dtype=torch.bfloat16)
+    ids = _doc_ids(1, 16)
+    compiled = torch.compile(lambda q, k, v, ids: api.mha(q, k, v, mask_mod=masks.document(ids)),
+                             backend="aot_eager", fullgraph=True)
+    try:
+        with pytest.raises(Exception, match="cannot be made inside a torch.compile'd function"):
+            compiled(q, k, v, ids)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_fake_mods_forward_and_backward(monkeypatch):
+    """On fake tensors mha with a mask mod (aux tensor) and a sink reaches only the fake
+    implementations (no launcher, no data_ptr), forward and backward, the sink's gradient
+    included (CPU fakes: the autograd engine wants a real device for CUDA ones)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cpu_standin import LauncherTrap
+
+    monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
+    monkeypatch.setattr(api, "_launcher_module", LauncherTrap())
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: pytest.fail("data_ptr read on a fake tensor"))
+    with FakeTensorMode():
+        q = torch.empty(2, 300, 8, 128, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.empty(2, 500, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+        sink = torch.empty(8, requires_grad=True)
+        ids = torch.empty(2, 500, dtype=torch.int32)
+        mod = masks.Modifier("mask", lambda b, h, q_idx, kv_idx, seq: seq.aux[0][b, kv_idx] >= 0, (ids,))
+        out, lse = api.mha(q, k, v, mask_mod=mod, learnable_sink=sink, return_lse=True)
+        assert (out.shape, out.dtype, lse.shape) == (q.shape, q.dtype, (2, 8, 300))
+        out.sum().backward()
+        for t in (q, k, v, sink):
+            assert t.grad.shape == t.shape
