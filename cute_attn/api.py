@@ -35,21 +35,24 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: O
         deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
         v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...,
         mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ..., aux_tensors: Sequence[Tensor] = ...,
-        block_mask: Optional[BlockMask] = ..., learnable_sink: Optional[Tensor] = ...) -> Tensor: ...
+        block_mask: Optional[BlockMask] = ..., learnable_sink: Optional[Tensor] = ...,
+        dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> Tensor: ...
 @overload
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: Literal[True],
         deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
         v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...,
         mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ..., aux_tensors: Sequence[Tensor] = ...,
-        block_mask: Optional[BlockMask] = ..., learnable_sink: Optional[Tensor] = ...) -> _TensorPair: ...
+        block_mask: Optional[BlockMask] = ..., learnable_sink: Optional[Tensor] = ...,
+        dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> _TensorPair: ...
 @overload
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
         window_size: tuple[int, int] = ..., softcap: float = ..., return_lse: bool,
         deterministic: bool = ..., q_descale: Optional[Tensor] = ..., k_descale: Optional[Tensor] = ...,
         v_descale: Optional[Tensor] = ..., out_dtype: Optional[torch.dtype] = ...,
         mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ..., aux_tensors: Sequence[Tensor] = ...,
-        block_mask: Optional[BlockMask] = ..., learnable_sink: Optional[Tensor] = ...) -> Union[Tensor, _TensorPair]: ...
+        block_mask: Optional[BlockMask] = ..., learnable_sink: Optional[Tensor] = ...,
+        dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> Union[Tensor, _TensorPair]: ...
 
 
 def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
@@ -59,7 +62,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         v_descale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
         mask_mod: Optional[Callable] = None, score_mod: Optional[Callable] = None,
         aux_tensors: Sequence[Tensor] = (), block_mask: Optional[BlockMask] = None,
-        learnable_sink: Optional[Tensor] = None) -> Union[Tensor, _TensorPair]:
+        learnable_sink: Optional[Tensor] = None, dropout_p: float = 0.0,
+        dropout_seed: Optional[Tensor] = None) -> Union[Tensor, _TensorPair]:
     """Multi-head attention on an sm_90 (Hopper) GPU, differentiable.
 
     Args:
@@ -112,6 +116,16 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             that sees no key gets out = 0, lse = sink). Differentiable (its gradient is
             -sum_i e^{sink - lse_i} dO_i . O_i). Works with causal, window_size, softcap
             or the mods; no packed GQA or split-KV (the mods' forward kernel).
+        dropout_p: drop probability of attention dropout on the softmax's P (kept ones
+            scaled by 1 / (1 - dropout_p); lse stays the undropped one), forward and
+            backward, from a counter-based Philox generator (cute_attn/dropout.py):
+            the backward regenerates the forward's mask. Works with causal, window_size,
+            the mods and a sink; not with softcap or a score_mod under autograd, FP8,
+            varlen or KV caches yet.
+        dropout_seed: the call's Philox key, an int32 (2,) tensor on q's device; None
+            draws one from torch's CUDA generator (reproducible after torch.manual_seed,
+            no host sync, CUDA-graph safe). cute_attn.dropout_mask(seed, ...) gives the
+            pairs a call with that seed kept.
 
     Returns:
         out, shaped and typed like q (same stride order), or (out, lse) with lse
@@ -129,8 +143,11 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
+    dropout_p = _checked_dropout_p(dropout_p, dropout_seed)
     if q_descale is not None or k_descale is not None or v_descale is not None \
             or getattr(q, "dtype", None) is FP8:
+        if dropout_p:
+            raise NotImplementedError("dropout_p has no FP8 kernel yet")
         descales = (q_descale, k_descale, v_descale)
         policy, no_kernel = validate_fp8_fwd_inputs(q, k, v, descales, out_dtype, softmax_scale, softcap)
         scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
@@ -141,17 +158,18 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     no_kernel = validate_fwd_inputs(q, k, v, softmax_scale, softcap)
     scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
     if mask_mod is not None or score_mod is not None or block_mask is not None or aux_tensors \
-            or learnable_sink is not None:
+            or learnable_sink is not None or dropout_p:
         return _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask,
-                         return_lse, deterministic, no_kernel, learnable_sink)
+                         return_lse, deterministic, no_kernel, learnable_sink, (dropout_p, dropout_seed))
     features, run_args = _features_and_args(causal, window, softcap, scale)
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
 def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask, return_lse,
-              deterministic, no_kernel, sink=None):
-    """Attention with mask/score mods and/or a sink (kernels/fwd_sm90.FlashFwdSm90Mods,
-    and under autograd kernels/bwd_sm90.FlashBwdSm90Mods)."""
+              deterministic, no_kernel, sink=None, dropout=(0.0, None)):
+    """Attention with mask/score mods, a sink and/or dropout (kernels/fwd_sm90.
+    FlashFwdSm90Mods, and under autograd kernels/bwd_sm90.FlashBwdSm90Mods). dropout:
+    (dropout_p, dropout_seed) as _checked_dropout_p left them."""
     from cute_attn.masks import Modifier
 
     has_mods = mask_mod is not None or score_mod is not None
@@ -179,13 +197,26 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
                 raise ValueError(f"{mod.name}'s aux tensor {i} is on {t.device}, q on {q.device}")
     # the mods replace the mask kind (then "none"); a sink alone keeps causal/window/softcap
     features, run_args = _features_and_args(causal, window, softcap, scale)
+    dropout_p, dropout_seed = dropout
     features = dataclasses.replace(features, mask_mod=None if mask is None else mask.spec,
-                                   score_mod=None if score is None else score.spec, sink=sink is not None)
+                                   score_mod=None if score is None else score.spec, sink=sink is not None,
+                                   dropout=dropout_p > 0)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or (sink is not None and sink.requires_grad))
     if needs_grad and deterministic and has_mods:
         raise NotImplementedError("deterministic=True has no backward with mask/score mods yet (its dQ order "
                                   "assumes contiguous tile ranges, a block mask's lists are not)")
+    if dropout_p:
+        if needs_grad and (softcap or score is not None):
+            raise NotImplementedError("dropout_p with softcap or a score_mod has no backward yet (their derivative "
+                                      "is folded into dP before the dropout mask is known)")
+        if dropout_seed is None:
+            from cute_attn.dropout import new_seed
+
+            dropout_seed = new_seed(q.device)
+        elif dropout_seed.device != q.device:
+            raise ValueError(f"dropout_seed is on {dropout_seed.device}, q on {q.device}")
+        run_args = run_args._replace(dropout_p=dropout_p, dropout_seed=dropout_seed)
     if not no_kernel and _traced(q):
         from cute_attn import ops
 
@@ -197,6 +228,24 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
         return (out, lse) if return_lse else out
     out, lse = _mods_forward(q, k, v, settings, sink, need_lse=return_lse)
     return (out, lse) if return_lse else out
+
+
+def _checked_dropout_p(dropout_p, dropout_seed) -> float:
+    """dropout_p as a float in [0, 1), and dropout_seed an int32 (2,) tensor or None."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_seed is not None:
+        if not isinstance(dropout_seed, Tensor):
+            raise TypeError(f"dropout_seed must be a torch.Tensor, got {type(dropout_seed).__name__}")
+        if dropout_seed.dtype != torch.int32 or tuple(dropout_seed.shape) != (2,):
+            raise ValueError(f"dropout_seed must be an int32 tensor of shape (2,), got {dropout_seed.dtype} "
+                             f"{tuple(dropout_seed.shape)}")
+        if not dropout_p:
+            raise ValueError("dropout_seed goes with dropout_p > 0")
+    return dropout_p
 
 
 def _checked_sink(sink, q):

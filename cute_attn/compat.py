@@ -70,17 +70,17 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     Returns out, like q; with return_attn_probs=True, (out, softmax_lse, None):
     softmax_lse float32 (batch, nheads, seqlen_q), natural log, not differentiable. The
     third item is None because the attention probabilities S are never materialised
-    (nothing of size seqlen^2 exists in the kernels). FlashAttention 2 fills it only when
-    dropout_p > 0 (a 0-element placeholder otherwise), and dropout is not supported here,
-    so no call of this function could have a meaningful S_dmask.
+    (nothing of size seqlen^2 exists in the kernels). dropout_p > 0 runs mha's dropout
+    (its seed drawn from torch's generator; cute_attn.dropout_mask recomputes a mask from
+    a seed passed to mha itself).
 
-    Raises NotImplementedError for dropout_p != 0 and for alibi_slopes other than None;
-    TypeError / ValueError (from mha) for what mha rejects.
+    Raises NotImplementedError for alibi_slopes other than None; TypeError / ValueError
+    (from mha) for what mha rejects.
     """
-    _reject_unsupported(dropout_p, alibi_slopes)
+    _reject_unsupported(dropout_p, alibi_slopes, dropout_supported=True)
     with_probs = _checked_bool("return_attn_probs", return_attn_probs)
     result = mha(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                 softcap=softcap, return_lse=with_probs, deterministic=deterministic)
+                 softcap=softcap, return_lse=with_probs, deterministic=deterministic, dropout_p=dropout_p)
     return _fa2_result(result, with_probs)
 
 
@@ -146,14 +146,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     return _fa2_result(result, with_probs)
 
 
-def _reject_unsupported(dropout_p, alibi_slopes):
+def _reject_unsupported(dropout_p, alibi_slopes, dropout_supported=False):
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float (only 0.0 is supported), got "
-                        f"{type(dropout_p).__name__} {dropout_p!r}")
-    if dropout_p != 0:
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
+    if dropout_p != 0 and not dropout_supported:
         raise NotImplementedError(
-            f"dropout_p={dropout_p!r} is not supported: cute_attn has no attention dropout; "
-            "pass dropout_p=0.0 (e.g. dropout_p=p if self.training else 0.0 becomes 0.0)"
+            f"dropout_p={dropout_p!r} is not supported here: cute_attn's dropout has no varlen kernel yet "
+            "(flash_attn_func and mha have it); pass dropout_p=0.0"
         )
     if alibi_slopes is not None:
         raise NotImplementedError(

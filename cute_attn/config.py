@@ -51,6 +51,9 @@ class AttnFeatures:
     # attention sinks (gpt-oss): a learnable per-head logit that joins every row's softmax
     # denominator (a float32 (heads,) run-time tensor); the mods' entry point carries it
     sink: bool = False
+    # dropout on P (cute_attn/dropout.py: Philox keyed by a per-call seed); the mods' entry
+    # points carry its seed and rate, forward and backward
+    dropout: bool = False
 
     def __post_init__(self):
         if self.mask not in MASK_KINDS:
@@ -67,9 +70,9 @@ class AttnFeatures:
 
     @property
     def mod_kernel(self) -> bool:
-        """The forward runs the mods' entry point (kernels/fwd_sm90.FlashFwdSm90Mods),
-        which also carries the sink."""
-        return self.has_mods or self.sink
+        """The kernels run the mods' entry points (kernels/fwd_sm90.FlashFwdSm90Mods,
+        bwd_sm90.FlashBwdSm90Mods), which also carry the sink and dropout."""
+        return self.has_mods or self.sink or self.dropout
 
     @property
     def causal_like(self) -> bool:
@@ -117,6 +120,8 @@ class RunArgs(NamedTuple):
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     page_table: Optional[torch.Tensor] = None  # paged KV (FwdConfig.page_size): (batch, max_pages) int32
+    dropout_p: float = 0.0  # AttnFeatures.dropout: the drop probability
+    dropout_seed: Optional[torch.Tensor] = None  # and its Philox key, int32 (2,) on the device
 
 
 # ----------------------------------------------------------------------------------------
@@ -340,9 +345,10 @@ def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
     if features.has_mods:
         return mod_fwd_config_for(head_dim)
     if head_dim <= 64:
-        if features.local:
+        if features.local or features.dropout:
             # three consumer warpgroups have 160 registers each: the window's two-sided
-            # mask and its third loop spilled 272 bytes there (ptxas); two do not spill
+            # mask and its third loop spilled 272 bytes there, dropout's Philox 60 (ptxas);
+            # two do not spill
             cfg = FwdConfig(tile_m=128, tile_n=128, num_stages=2)
         else:
             cfg = FwdConfig(tile_m=192, tile_n=128, num_stages=2)
@@ -361,7 +367,7 @@ def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
 
 def pack_gqa_for(head_dim: int, features: AttnFeatures, seqlen_q: int, group: int) -> int:
     """The pack_gqa of a call with this query length and GQA group (see choose_pack_gqa)."""
-    if group == 1 or features.varlen or features.has_mods or features.sink:  # one query head per row
+    if group == 1 or features.varlen or features.mod_kernel:  # one query head per tile
         return 1
     return choose_pack_gqa(seqlen_q, group, fwd_config_for(head_dim, features).tile_m, False)
 
@@ -427,9 +433,9 @@ def bwd_config_for(head_dim: int, features: AttnFeatures) -> BwdConfig:
     the dK/dV accumulators are small enough for 128 query rows per step (S^T and dP^T of
     64 x 128 per warpgroup), which halves the per-step barriers and waits against the
     GEMM work; the window's second masked loop and the softcap's tanh spill there
-    (36-108 bytes, ptxas), so those and the mods (per-element work of the same kind)
-    keep 64 rows. perf/NOTES.md has the A/B."""
-    if head_dim <= 64 and not (features.local or features.softcap or features.has_mods):
+    (36-108 bytes, ptxas), so those and the mods and dropout (per-element work of the
+    same kind) keep 64 rows. perf/NOTES.md has the A/B."""
+    if head_dim <= 64 and not (features.local or features.softcap or features.has_mods or features.dropout):
         return BwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim > 128:
         # Correct, not fast: head_dim / 64 CTAs per KV block each recompute S and dP

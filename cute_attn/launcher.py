@@ -226,7 +226,27 @@ def _fake_mod_fwd_args(key: FwdKey, n: "_Symbols"):
                                                  assumed_align=4)
     max_seqlen, scale, softcap, wl, wr = _fake_run_args()
     return (q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), *lists, aux, sink,
-            max_seqlen, scale, softcap, wl, wr, _fake_stream())
+            *_fake_dropout_args(), max_seqlen, scale, softcap, wl, wr, _fake_stream())
+
+
+def _fake_dropout_args():
+    """The mods' entry points' dropout: Philox key (int32 (2,)), threshold, 1 / (1 - p)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    seed = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
+    return seed, cutlass.Int32(0), cutlass.Float32(1.0)
+
+
+def _dropout_arguments(device, args: RunArgs):
+    """(seed, threshold, inv_keep) of a call for the mods' entry points (stand-ins when
+    it has no dropout): the threshold's unsigned 32-bit pattern as an Int32."""
+    from cute_attn.dropout import threshold
+
+    if args.dropout_seed is None:
+        return _unused_cu_seqlens(device), 0, 1.0
+    t = threshold(args.dropout_p)
+    return args.dropout_seed, t - (1 << 32) if t >= 1 << 31 else t, 1.0 / (1.0 - args.dropout_p)
 
 
 _AUX_DSL_TYPES = {torch.int32: "Int32", torch.int64: "Int64", torch.int16: "Int16", torch.int8: "Int8",
@@ -508,8 +528,8 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
     unused = _unused_cu_seqlens(q.device)
     if sink is None:
         sink = _placeholder(q.device, (1,)).view(torch.float32)
-    fn(q, k, v, out, lse, unused, unused, *lists, aux, sink, 0, args.softmax_scale, args.softcap, args.window[0],
-       args.window[1])
+    fn(q, k, v, out, lse, unused, unused, *lists, aux, sink, *_dropout_arguments(q.device, args), 0,
+       args.softmax_scale, args.softcap, args.window[0], args.window[1])
     return out, (lse if need_lse else None)
 
 
@@ -895,9 +915,9 @@ def _fake_bwd_args(key: BwdKey):
     stream = _fake_stream()
     max_seqlen, scale, softcap, wl, wr = _fake_run_args()
     main = (q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, cu_q, cu_k)
-    if key.features.has_mods:
+    if key.features.mod_kernel:
         lists, aux = _fake_block_mask_and_aux(key.features, n)
-        main = (*main, *lists, aux, max_seqlen, scale, stream)
+        main = (*main, *lists, aux, *_fake_dropout_args(), max_seqlen, scale, softcap, wl, wr, stream)
     else:
         main = (*main, max_seqlen, scale, softcap, wl, wr, stream)
     return (
@@ -917,7 +937,7 @@ def compile_bwd(key: BwdKey, extra_options: str = ""):
     dtypes, cfg, features = DTYPES[key.dtype], key.config, key.features
     pre_args, main_args, post_args = _fake_bwd_args(key)
     pre = _compile(BwdPreprocess(dtypes, key.head_dim, cfg, features), pre_args, extra_options, key)
-    cls = FlashBwdSm90Mods if features.has_mods else FlashBwdSm90
+    cls = FlashBwdSm90Mods if features.mod_kernel else FlashBwdSm90
     main = _compile(cls(dtypes, key.head_dim, features, cfg, key.deterministic), main_args, extra_options, key)
     post = _compile(BwdPostprocess(dtypes, key.head_dim, cfg, features), post_args, extra_options, key)
     return pre, main, post
@@ -983,13 +1003,14 @@ def run_bwd(
     else:
         semaphore = _unused_semaphore(q.device)
     pre(out, dout, lse, lse2, dsum, cu_q, args.max_seqlen_q)
-    if not features.has_mods:
+    if not features.mod_kernel:
         main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, args.max_seqlen_k,
              args.softmax_scale, args.softcap, args.window[0], args.window[1])
-    else:
-        lists, aux = _mod_arguments(q, k, config.tile_m, config.tile_n, *mods, transposed=True)
-        main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, *lists, aux, args.max_seqlen_k,
-             args.softmax_scale)
+    else:  # mods and/or dropout (a sink alone was dropped above: the dense kernel serves)
+        lists, aux = _mod_arguments(q, k, config.tile_m, config.tile_n, *(mods or (None, None)), transposed=True)
+        main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, *lists, aux,
+             *_dropout_arguments(q.device, args), args.max_seqlen_k, args.softmax_scale, args.softcap,
+             args.window[0], args.window[1])
     post(dq_accum, dq4, cu_q, args.max_seqlen_q, args.softmax_scale)
     if sink is None:
         return dq, dk, dv

@@ -63,7 +63,7 @@ def dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device=None, offset_q
 
 
 def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=None, offset_q=0, offset_k=0,
-                      sink=None):
+                      sink=None, dropout_keep=None, dropout_p=0.0):
     """Return (out, lse) of softmax(mask(score_mod(scale * q k^T))) v in float32.
 
     As in FlexAttention, score_mod sees the scaled score and the indices (query head h);
@@ -74,6 +74,9 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     offset_k: the entry's place in a packed batch (the mods see global indices).
     sink: (heads,) attention-sink logits, one more term e^sink in each row's denominator
     (a key with a zero value vector that every query sees; differentiable).
+    dropout_keep: bool (batch, heads, seqlen_q, seqlen_k), the pairs dropout keeps
+    (cute_attn.dropout_mask); kept probabilities are scaled by 1 / (1 - dropout_p), lse
+    is the undropped softmax's.
     """
     batch, sq, heads, d = q.shape
     sk = k.shape[1]
@@ -113,6 +116,8 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     lse = torch.where(seen, shift + torch.log(safe_total), torch.full_like(total, float("-inf")))
     if sink is not None:
         probs = probs[..., :-1]
+    if dropout_keep is not None:
+        probs = probs * dropout_keep / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse.squeeze(-1)
 

@@ -19,9 +19,11 @@ through `register_autograd`:
     cute_attn::kv_append(Tensor k, Tensor v, Tensor(a2!) k_cache, Tensor(a3!) v_cache,
                          Tensor cache_seqlens, Tensor? page_table) -> Tensor new_lengths
     cute_attn::fwd_mods(q, k, v, Tensor[] aux, Tensor[] block_mask, Tensor? sink,
-                        str mods, <the six>) -> (out, lse)
-    cute_attn::bwd_mods(dout, q, k, v, out, lse, Tensor[] aux, Tensor? sink, str mods,
-                        <the six>) -> (dq, dk, dv, dsink)
+                        Tensor? dropout_seed, float dropout_p, str mods, <the six>)
+                        -> (out, lse)
+    cute_attn::bwd_mods(dout, q, k, v, out, lse, Tensor[] aux, Tensor? sink,
+                        Tensor? dropout_seed, float dropout_p, str mods, <the six>)
+                        -> (dq, dk, dv, dsink)
 
 The mods' ops (mask/score mods, attention sinks) name their mods by the digests of their
 specs, "mask/score" ("" for none): a mod is a compile-time constant of its kernel, not a
@@ -29,7 +31,8 @@ tensor, so the op carries a string and the real implementation finds the functio
 (masks.Modifier.by_digest) and binds it to the aux tensors it receives (the mask mod's
 first). block_mask is a BlockMask's four lists (checked against the call while tracing)
 or empty (the launcher builds and caches one); sink the (heads,) float32 logits or None;
-bwd_mods returns the sink's gradient (empty without a sink: an op returns no None).
+bwd_mods returns the sink's gradient (empty without a sink: an op returns no None);
+dropout_seed the Philox key (int32 (2,)) with dropout_p > 0, else None.
 
 The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
 builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
@@ -181,10 +184,11 @@ def _kv_append_impl(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     return api._launcher().run_append(k, v, k_cache, v_cache, cache_seqlens, page_table)
 
 
-def _unpack_mods(mods: str, aux, sink, mask, softmax_scale, softcap, window_left, window_right):
+def _unpack_mods(mods: str, aux, sink, dropout_seed, dropout_p, mask, softmax_scale, softcap, window_left,
+                 window_right):
     """(features, run_args, mask_mod, score_mod) of a mods op: _unpack's, with the mods
     found by their digests (masks.Modifier.by_digest) and bound to aux (the mask mod's
-    first), and the sink's flag; as api._run_mods built them."""
+    first), the sink's flag and the dropout; as api._run_mods built them."""
     from cute_attn.masks import Modifier
 
     features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right)
@@ -200,20 +204,24 @@ def _unpack_mods(mods: str, aux, sink, mask, softmax_scale, softcap, window_left
         start += count
     mask_mod, score_mod = bound
     features = dataclasses.replace(features, mask_mod=None if mask_mod is None else mask_mod.spec,
-                                   score_mod=None if score_mod is None else score_mod.spec, sink=sink is not None)
+                                   score_mod=None if score_mod is None else score_mod.spec, sink=sink is not None,
+                                   dropout=dropout_seed is not None)
+    if dropout_seed is not None:
+        run_args = run_args._replace(dropout_p=dropout_p, dropout_seed=dropout_seed)
     return features, run_args, mask_mod, score_mod
 
 
 def _fwd_mods_impl(q: Tensor, k: Tensor, v: Tensor, aux: list[Tensor], block_mask: list[Tensor],
-                   sink: Optional[Tensor], mods: str, mask: str, softmax_scale: float, softcap: float,
-                   window_left: int, window_right: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+                   sink: Optional[Tensor], dropout_seed: Optional[Tensor], dropout_p: float, mods: str, mask: str,
+                   softmax_scale: float, softcap: float, window_left: int, window_right: int,
+                   deterministic: bool) -> tuple[Tensor, Tensor]:
     """(out, lse) of validated dense inputs with mods and/or a sink."""
     from cute_attn.block_mask import BlockMask
     from cute_attn.config import mod_fwd_config_for
 
     _check_pointers("q", q, "k", k, "v", v)
-    features, run_args, mask_mod, score_mod = _unpack_mods(mods, aux, sink, mask, softmax_scale, softcap,
-                                                           window_left, window_right)
+    features, run_args, mask_mod, score_mod = _unpack_mods(mods, aux, sink, dropout_seed, dropout_p, mask,
+                                                           softmax_scale, softcap, window_left, window_right)
     prebuilt = None
     if block_mask:  # checked against this call's shape and mask while tracing (attention_mods)
         config = mod_fwd_config_for(q.shape[-1])
@@ -223,14 +231,14 @@ def _fwd_mods_impl(q: Tensor, k: Tensor, v: Tensor, aux: list[Tensor], block_mas
 
 
 def _bwd_mods_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: list[Tensor],
-                   sink: Optional[Tensor], mods: str, mask: str, softmax_scale: float, softcap: float,
-                   window_left: int, window_right: int,
+                   sink: Optional[Tensor], dropout_seed: Optional[Tensor], dropout_p: float, mods: str, mask: str,
+                   softmax_scale: float, softcap: float, window_left: int, window_right: int,
                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsink) of fwd_mods's (out, lse); dsink is empty when sink is None
     (an op returns tensors, not None)."""
     _check_pointers("q", q, "k", k, "v", v, "out", out)
-    features, run_args, mask_mod, score_mod = _unpack_mods(mods, aux, sink, mask, softmax_scale, softcap,
-                                                           window_left, window_right)
+    features, run_args, mask_mod, score_mod = _unpack_mods(mods, aux, sink, dropout_seed, dropout_p, mask,
+                                                           softmax_scale, softcap, window_left, window_right)
     grads = api._launcher().run_bwd(_aligned_dout(dout, q), q, k, v, out, lse, features, run_args,
                                     deterministic=deterministic, mods=(mask_mod, score_mod), sink=sink)
     return (*grads, lse.new_empty(0)) if sink is None else grads
@@ -284,8 +292,8 @@ def _(q, k_cache, v_cache, seqlens_k, page_table, mask, softmax_scale, softcap, 
 
 
 @fwd_mods.register_fake
-def _(q, k, v, aux, block_mask, sink, mods, mask, softmax_scale, softcap, window_left, window_right,
-      deterministic):
+def _(q, k, v, aux, block_mask, sink, dropout_seed, dropout_p, mods, mask, softmax_scale, softcap, window_left,
+      window_right, deterministic):
     batch, seqlen_q, heads, _ = q.shape
     return _fake_out(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
@@ -305,7 +313,7 @@ bwd_varlen.register_fake(_fake_grads)
 
 
 @bwd_mods.register_fake
-def _(dout, q, k, v, out, lse, aux, sink, mods, *six):
+def _(dout, q, k, v, out, lse, aux, sink, dropout_seed, dropout_p, mods, *six):
     dsink = lse.new_empty(0) if sink is None else torch.empty_like(sink)
     return (*_fake_grads(dout, q, k, v), dsink)
 
@@ -346,27 +354,27 @@ def _backward_fwd_varlen(ctx, dout, _dlse):
     return (dq, dk, dv, None, None) + (None,) * len(ctx.params)
 
 
-_MODS_TENSORS = 6  # q, k, v, aux, block_mask, sink; then mods and the six
+_MODS_TENSORS = 6  # q, k, v, aux, block_mask, sink; then dropout_seed, dropout_p, mods and the six
 
 
 def _setup_fwd_mods(ctx, inputs, output):
-    q, k, v, aux, block_mask, sink = inputs[:_MODS_TENSORS]
+    q, k, v, aux, block_mask, sink, dropout_seed = inputs[:_MODS_TENSORS + 1]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sink, *aux)
-    ctx.params = inputs[_MODS_TENSORS:]
+    ctx.save_for_backward(q, k, v, out, lse, sink, dropout_seed, *aux)
+    ctx.params = inputs[_MODS_TENSORS + 1:]
     ctx.lists = (len(aux), len(block_mask))  # their gradients: lists of None as long
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_fwd_mods(ctx, dout, _dlse):
-    q, k, v, out, lse, sink, *aux = ctx.saved_tensors
+    q, k, v, out, lse, sink, dropout_seed, *aux = ctx.saved_tensors
     want_sink = sink is not None and ctx.needs_input_grad[5]
     dq, dk, dv, dsink = bwd_mods(prepare_dout(dout, out), q, k, v, out, lse, aux, sink if want_sink else None,
-                                 *ctx.params)
+                                 dropout_seed, *ctx.params)
     if not want_sink:
         dsink = None
     no_aux, no_lists = ([None] * n for n in ctx.lists)
-    return (dq, dk, dv, no_aux, no_lists, dsink) + (None,) * len(ctx.params)
+    return (dq, dk, dv, no_aux, no_lists, dsink, None) + (None,) * len(ctx.params)
 
 
 fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
@@ -415,4 +423,5 @@ def attention_mods(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_
         lists = [block_mask.partial_count, block_mask.partial_idx, block_mask.full_count, block_mask.full_idx]
     mods = "/".join("" if m is None else m.spec.digest for m in (mask_mod, score_mod))
     aux = [t for m in (mask_mod, score_mod) if m is not None for t in m.aux]
-    return fwd_mods(q, k, v, aux, lists, sink, mods, *_pack(features, run_args), deterministic)
+    return fwd_mods(q, k, v, aux, lists, sink, run_args.dropout_seed, run_args.dropout_p, mods,
+                    *_pack(features, run_args), deterministic)

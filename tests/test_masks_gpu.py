@@ -31,9 +31,10 @@ def _inputs(b, sq, sk, h, h_kv, d, dtype=torch.bfloat16, seed=0):
                  for s, n in ((sq, h), (sk, h_kv), (sk, h_kv)))
 
 
-def _reference_lowp(q, k, v, mask_mod, score_mod, sink=None):
+def _reference_lowp(q, k, v, mask_mod, score_mod, sink=None, drop=None):
     """torch in the input dtype: QK^T and PV with 16-bit operands and outputs, the mods
-    and the softmax in fp32, P rounded to the input dtype."""
+    and the softmax in fp32, P rounded to the input dtype. drop: (keep mask, p) of
+    dropout, applied to P before the rounding."""
     b, sq, h, d = q.shape
     group = h // k.shape[2]
     kr, vr = (t.repeat_interleave(group, dim=2) for t in (k, v))
@@ -48,8 +49,10 @@ def _reference_lowp(q, k, v, mask_mod, score_mod, sink=None):
     if sink is not None:
         scores = torch.cat([scores, sink.float()[None, :, None, None].expand(b, h, sq, 1)], dim=-1)
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    p = (p[..., :-1] if sink is not None else p).to(q.dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", p, vr)
+    p = p[..., :-1] if sink is not None else p
+    if drop is not None:
+        p = p * drop[0] / (1 - drop[1])
+    return torch.einsum("bhqk,bkhd->bqhd", p.to(q.dtype), vr)
 
 
 def _run(q, k, v, **kw):
@@ -206,10 +209,14 @@ def _grads_of(fn, q, k, v, dout, upcast):
     return torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
 
-def _d_rounding_terms(q, k, v, dout, mask_mod, score_mod, sink=None):
+def _ref_kwargs(drop):
+    return {} if drop is None else dict(dropout_keep=drop[0], dropout_p=drop[1])
+
+
+def _d_rounding_terms(q, k, v, dout, mask_mod, score_mod, sink=None, drop=None):
     """gpu_checks.d_rounding_terms with the mods' reference."""
     ref = lambda q_, k_, v_: attention_ref_mod(q_, k_, v_, mask_mod=mask_mod, score_mod=score_mod,  # noqa: E731
-                                               sink=sink)[0]
+                                               sink=sink, **_ref_kwargs(drop))[0]
     q32, k32, v32 = (t.detach().float() for t in (q, k, v))
     scale = q.shape[-1] ** -0.5
     out = ref(q32, k32, v32)
@@ -227,11 +234,11 @@ def _kernel_grads(q, k, v, dout, **kw):
     return out, torch.autograd.grad(out, (q, k, v), dout)
 
 
-def _check_grads(q, k, v, dout, grads, mask_mod=None, score_mod=None, sink=None):
-    ref = _grads_of(lambda *t: attention_ref_mod(*t, mask_mod=mask_mod, score_mod=score_mod, sink=sink)[0],
-                    q, k, v, dout, True)
-    low = _grads_of(lambda *t: _reference_lowp(*t, mask_mod, score_mod, sink), q, k, v, dout, False)
-    d_terms = _d_rounding_terms(q, k, v, dout, mask_mod, score_mod, sink)
+def _check_grads(q, k, v, dout, grads, mask_mod=None, score_mod=None, sink=None, drop=None):
+    ref = _grads_of(lambda *t: attention_ref_mod(*t, mask_mod=mask_mod, score_mod=score_mod, sink=sink,
+                                                 **_ref_kwargs(drop))[0], q, k, v, dout, True)
+    low = _grads_of(lambda *t: _reference_lowp(*t, mask_mod, score_mod, sink, drop), q, k, v, dout, False)
+    d_terms = _d_rounding_terms(q, k, v, dout, mask_mod, score_mod, sink, drop)
     for name, g, g_ref, g_low, x, d_term in zip("qkv", grads, ref, low, (q, k, v), d_terms):
         assert g.shape == x.shape and g.dtype == x.dtype, f"d{name}: {tuple(g.shape)} {g.dtype}"
         assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
@@ -380,3 +387,151 @@ def test_sink_rows_that_see_no_key_and_a_dominant_sink():
     assert torch.allclose(lse[:, :, : sq - sk], sink[None, :, None].expand(b, h, sq - sk))
     assert (out.float() - out_ref).abs().max() < 2e-2 and (lse - lse_ref).abs().max() < LSE_ATOL
     assert out[:, :, 1].abs().max() < 1e-20  # head 1: the sink takes all the weight
+
+
+# ----------------------------------------------------------------------------------------
+# Dropout: the kernels' Philox, the mask they apply, forward and backward
+# ----------------------------------------------------------------------------------------
+
+
+def test_kernel_philox_equals_torch():
+    """blocks/dropout.philox in a small kernel against dropout.philox4x32 (whose
+    known-answer vectors the CPU tests check), over varied counters and a key."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, Uint32
+
+    from cute_attn.blocks.dropout import philox
+    from cute_attn.dropout import philox4x32
+
+    @cute.kernel
+    def kernel(counters: cute.Tensor, key: cute.Tensor, out: cute.Tensor):
+        i = cute.arch.block_idx()[0] * 128 + cute.arch.thread_idx()[0]
+        c = [Uint32(counters[i, j]) for j in range(4)]
+        words = philox(c[0], c[1], c[2], c[3], Uint32(key[0]), Uint32(key[1]))
+        for j in cutlass.range_constexpr(4):
+            out[i, j] = Int32(words[j])
+
+    @cute.jit
+    def run(counters: cute.Tensor, key: cute.Tensor, out: cute.Tensor):
+        kernel(counters, key, out).launch(grid=[counters.shape[0] // 128, 1, 1], block=[128, 1, 1])
+
+    from cutlass.cute.runtime import from_dlpack
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    counters = torch.randint(-2 ** 31, 2 ** 31 - 1, (1024, 4), dtype=torch.int32, device="cuda", generator=gen)
+    counters[:4] = torch.tensor([[0, 0, 0, 0], [-1, -1, -1, -1], [1, 2, 3, 4], [7, 0, 0, 7]], dtype=torch.int32)
+    key = torch.tensor([0x1234567, -0x7654321], dtype=torch.int32, device="cuda")
+    out = torch.zeros_like(counters)
+    run(from_dlpack(counters), from_dlpack(key), from_dlpack(out))
+    expected = philox4x32(tuple(counters.long().unbind(1)), tuple(key.long().unbind()))
+    got = out.long() & 0xFFFFFFFF
+    for j in range(4):
+        assert torch.equal(got[:, j], expected[j]), f"word {j}"
+
+
+def _seed(a, b):
+    return torch.tensor([a, b], dtype=torch.int32, device="cuda")
+
+
+def test_dropout_mask_read_back_from_the_kernel():
+    """V = identity (128 keys = head dim 128) makes out[q] the dropped P row itself: its
+    zeros are exactly the kernel's dropped pairs, equal to dropout_mask's, and the keep
+    rate is within a binomial bound of 1 - p."""
+    b, s, h, d, p = 2, 128, 4, 128, 0.3
+    q, k, _ = _inputs(b, s, s, h, h, d, seed=11)
+    v = torch.eye(s, device="cuda", dtype=torch.bfloat16)[None, :, None, :].expand(b, s, h, d).contiguous()
+    seed = _seed(17, -5)
+    out = cute_attn.mha(q, k, v, dropout_p=p, dropout_seed=seed)  # (b, q, h, key)
+    kept = (out != 0).permute(0, 2, 1, 3)  # (b, h, q, key)
+    expected = cute_attn.dropout_mask(seed, b, h, s, s, p)
+    assert torch.equal(kept, expected), f"{(kept != expected).sum().item()} pairs differ from dropout_mask"
+    n = kept.numel()
+    rate = kept.float().mean().item()
+    assert abs(rate - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    # the kept values: P / (1 - p), rows summing to 1 / (1 - p) in expectation
+    ref, _ = attention_ref_mod(q, k, v, dropout_keep=expected, dropout_p=p)
+    assert (out.float() - ref).abs().max() < 2e-2
+
+
+DROPOUT_CASES = {
+    # (mha kwargs, the same as mods for the reference, b, sq, sk, heads, heads_kv, head dim)
+    "causal_gqa_128": (dict(causal=True), lambda: (masks.causal(), None), 2, 333, 333, 4, 2, 128),
+    "dense_64": (dict(), lambda: (None, None), 2, 300, 517, 2, 2, 64),
+    "window_128": (dict(window_size=(100, 20)), lambda: (masks.sliding_window(100, 20), None), 1, 611, 611, 2, 1, 128),
+    "block_diffusion_64": (None, lambda: (masks.block_diffusion(16), None), 1, 700, 700, 2, 2, 64),
+    "causal_256": (dict(causal=True), lambda: (masks.causal(), None), 1, 259, 259, 2, 2, 256),
+}
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_CASES))
+def test_dropout_forward_and_backward_match_reference(name):
+    """The kernels' output and gradients against the fp32 reference with the kernels'
+    own mask (dropout_mask of the call's seed), under the rules of the mods' tests."""
+    kwargs, make, b, sq, sk, h, h_kv, d = DROPOUT_CASES[name]
+    mask, _ = make()
+    p = 0.17
+    seed = _seed(len(name), 99)
+    q, k, v = _inputs(b, sq, sk, h, h_kv, d, seed=len(name) + 1)
+    call = dict(mask_mod=mask) if kwargs is None else kwargs
+    keep = cute_attn.dropout_mask(seed, b, h, sq, sk, p)
+    drop = (keep, p)
+    out, lse = _run(q, k, v, dropout_p=p, dropout_seed=seed, **call)
+    out_ref, lse_ref = attention_ref_mod(q, k, v, mask_mod=mask, dropout_keep=keep, dropout_p=p)
+    err = (out.float() - out_ref).abs().max().item()
+    err_torch = (_reference_lowp(q, k, v, mask, None, drop=drop).float() - out_ref).abs().max().item()
+    assert err <= 2 * err_torch + OUT_FLOOR, f"out: {err:.3g} > 2 x {err_torch:.3g}"
+    finite = torch.isfinite(lse_ref)
+    assert (lse[finite] - lse_ref[finite]).abs().max().item() <= LSE_ATOL  # the undropped softmax's
+    dout = torch.randn_like(q)
+    _, grads = _kernel_grads(q, k, v, dout, dropout_p=p, dropout_seed=seed, **call)
+    _check_grads(q, k, v, dout, grads, mask_mod=mask, drop=drop)
+
+
+def test_dropout_same_seed_is_bit_identical_and_seeds_differ():
+    q, k, v = _inputs(1, 400, 400, 2, 2, 128, seed=3)
+    dout = torch.randn_like(q)
+    runs = []
+    for seed in (_seed(1, 2), _seed(1, 2), _seed(1, 3)):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = cute_attn.mha(*leaves, causal=True, dropout_p=0.25, dropout_seed=seed, deterministic=True)
+        runs.append((out, *torch.autograd.grad(out, leaves, dout)))
+    for a, b in zip(runs[0], runs[1]):
+        assert torch.equal(a, b)
+    assert (runs[0][0] != runs[2][0]).float().mean() > 0.1
+
+
+def test_dropout_seed_from_torch_generator():
+    """Without a seed the call draws one from torch's generator: manual_seed reproduces
+    it, the next call draws another; a CUDA graph replays with a new draw each time."""
+    q, k, v = _inputs(1, 256, 256, 2, 2, 64, seed=4)
+    torch.manual_seed(0)
+    a = cute_attn.mha(q, k, v, dropout_p=0.5)
+    b = cute_attn.mha(q, k, v, dropout_p=0.5)
+    torch.manual_seed(0)
+    a2 = cute_attn.mha(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, a2) and not torch.equal(a, b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cute_attn.mha(q, k, v, dropout_p=0.5)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cute_attn.mha(q, k, v, dropout_p=0.5)
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    assert torch.isfinite(out).all() and not torch.equal(first, out)
+
+
+def test_dropout_with_a_sink():
+    b, s, h, d, p = 1, 300, 2, 128, 0.2
+    q, k, v = _inputs(b, s, s, h, h, d, seed=8)
+    sink = torch.randn(h, device="cuda")
+    seed = _seed(4, 4)
+    keep = cute_attn.dropout_mask(seed, b, h, s, s, p)
+    out = cute_attn.mha(q, k, v, causal=True, learnable_sink=sink, dropout_p=p, dropout_seed=seed)
+    ref, _ = attention_ref_mod(q, k, v, mask_mod=masks.causal(), sink=sink, dropout_keep=keep, dropout_p=p)
+    low = _reference_lowp(q, k, v, masks.causal(), None, sink, (keep, p))
+    assert (out.float() - ref).abs().max() <= 2 * (low.float() - ref).abs().max() + OUT_FLOOR

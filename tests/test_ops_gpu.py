@@ -188,7 +188,7 @@ def test_compiled_varlen_fullgraph(fresh_dynamo):
 def _mods_params(head_dim, mask_mod=None, sink=None, causal=False, lists=()):
     aux = [] if mask_mod is None else list(mask_mod.aux)
     mods = f"{'' if mask_mod is None else mask_mod.spec.digest}/"
-    return aux, list(lists), sink, mods, *_params(head_dim, causal=causal)
+    return aux, list(lists), sink, None, 0.0, mods, *_params(head_dim, causal=causal)
 
 
 @pytest.mark.parametrize("case", ["document", "sink-causal"])

@@ -16,6 +16,7 @@ import cute_attn.ops as ops
 import cute_attn.validation as validation
 from cute_attn import block_mask as bm
 from cute_attn import masks
+from cute_attn.dropout import dropout_mask
 from cute_attn.mask_reference import attention_ref_mod, dense_mask
 from test_ops_cpu import OPCHECK_UTILS, SIX, CountingBackend, ops_mha
 
@@ -41,7 +42,7 @@ class ModsStandIn:
             bm.check_block_mask(block_mask, mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
                                 config.tile_m, config.tile_n)
         o, lse = attention_ref_mod(q, k, v, mask_mod=self._mask(features, mask_mod), softmax_scale=args.softmax_scale,
-                                   sink=sink)
+                                   sink=sink, dropout_keep=_keep(q, k, args), dropout_p=args.dropout_p)
         out = torch.empty_like(q)
         out.copy_(o)
         return out, lse.contiguous()
@@ -50,7 +51,8 @@ class ModsStandIn:
                 sink=None):
         self.bwd_calls.append(dict(features=features, mods=mods, sink=sink))
         mask_mod = self._mask(features, None if mods is None else mods[0])
-        grads = _grads_from_lse(dout, q, k, v, out, lse, args.softmax_scale, mask_mod)
+        grads = _grads_from_lse(dout, q, k, v, out, lse, args.softmax_scale, mask_mod, _keep(q, k, args),
+                                args.dropout_p)
         if sink is None:
             return grads
         # launcher._sink_grad on the D the preprocess kernel would compute
@@ -58,9 +60,17 @@ class ModsStandIn:
         return (*grads, launcher_module._sink_grad(d, lse, sink))
 
 
-def _grads_from_lse(dout, q, k, v, out, lse, scale, mask_mod):
+def _keep(q, k, args):
+    """The dropout mask of a call (None without dropout)."""
+    if args.dropout_seed is None:
+        return None
+    return dropout_mask(args.dropout_seed, q.shape[0], q.shape[2], q.shape[1], k.shape[1], args.dropout_p)
+
+
+def _grads_from_lse(dout, q, k, v, out, lse, scale, mask_mod, keep=None, dropout_p=0.0):
     """The kernels' backward in closed form: P = exp(S - lse) (a sink is in lse), dS =
-    P (dP - D) with D = dO . O. Not autograd: an op's kernel runs below the autograd key."""
+    P (dP k - D) with D = dO . O and k = keep / (1 - p) (1 without dropout), dV from P k.
+    Not autograd: an op's kernel runs below the autograd key."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group = h // hk
@@ -71,10 +81,11 @@ def _grads_from_lse(dout, q, k, v, out, lse, scale, mask_mod):
     if mask_mod is not None:
         p = p.masked_fill(~dense_mask(mask_mod, b, h, sq, sk), 0.0)
     p = torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    factor = 1.0 if keep is None else keep / (1.0 - dropout_p)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p * factor, do)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
     big_d = (do * out.float()).sum(-1).transpose(1, 2).unsqueeze(-1)
-    ds = p * (dp - big_d)
+    ds = p * (dp * factor - big_d)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
     dk, dv = (t.reshape(b, sk, hk, group, d).sum(3) for t in (dk, dv))
@@ -108,10 +119,11 @@ def _doc_ids(b, s):
 def test_schemas():
     fwd = str(torch.ops.cute_attn.fwd_mods.default._schema)
     bwd = str(torch.ops.cute_attn.bwd_mods.default._schema)
+    dropout = "Tensor? dropout_seed, float dropout_p"
     assert fwd == ("cute_attn::fwd_mods(Tensor q, Tensor k, Tensor v, Tensor[] aux, Tensor[] block_mask, "
-                   f"Tensor? sink, str mods, {SIX}) -> (Tensor, Tensor)")
+                   f"Tensor? sink, {dropout}, str mods, {SIX}) -> (Tensor, Tensor)")
     assert bwd == ("cute_attn::bwd_mods(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-                   f"Tensor[] aux, Tensor? sink, str mods, {SIX}) -> (Tensor, Tensor, Tensor, Tensor)")
+                   f"Tensor[] aux, Tensor? sink, {dropout}, str mods, {SIX}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def test_digest_finds_the_mod_and_rebinds_its_aux():
@@ -126,14 +138,14 @@ def test_digest_finds_the_mod_and_rebinds_its_aux():
         masks.Modifier.by_digest("0" * 16)
 
 
-def _mods_args(mask_mod=None, sink=None, lists=(), scale=64 ** -0.5, causal=False):
+def _mods_args(mask_mod=None, sink=None, lists=(), scale=64 ** -0.5, causal=False, dropout=(None, 0.0)):
     features, run_args = api._features_and_args(causal, api._NO_WINDOW, 0.0, scale)
     mods = f"{'' if mask_mod is None else mask_mod.spec.digest}/"
     aux = [] if mask_mod is None else list(mask_mod.aux)
-    return aux, list(lists), sink, mods, *ops._pack(features, run_args), False
+    return aux, list(lists), sink, *dropout, mods, *ops._pack(features, run_args), False
 
 
-@pytest.mark.parametrize("case", ["document_aux", "sink_causal", "block_diffusion_user_block_mask"])
+@pytest.mark.parametrize("case", ["document_aux", "sink_causal", "block_diffusion_user_block_mask", "dropout_causal"])
 def test_opcheck_mods(stand_in, case):
     b, s, h, h_kv = 2, 11, 4, 2
     q, k, v = (t.requires_grad_() for t in _qkv(b, s, h, h_kv, seed=1))
@@ -141,6 +153,8 @@ def test_opcheck_mods(stand_in, case):
         args = _mods_args(masks.document(_doc_ids(b, s), causal=True))
     elif case == "sink_causal":
         args = _mods_args(sink=torch.randn(h).requires_grad_(), causal=True)
+    elif case == "dropout_causal":
+        args = _mods_args(causal=True, dropout=(torch.tensor([5, -9], dtype=torch.int32), 0.25))
     else:
         mod = masks.block_diffusion(3)
         built = bm.create_block_mask(mod, b, h, s, s, head_dim=64)
@@ -312,3 +326,49 @@ def test_fake_mods_forward_and_backward(monkeypatch):
         out.sum().backward()
         for t in (q, k, v, sink):
             assert t.grad.shape == t.shape
+
+
+def test_compile_fullgraph_dropout_equals_eager(stand_in):
+    """Dropout under torch.compile(fullgraph=True): the seed is drawn from torch's
+    generator inside the graph (torch.randint), so after the same manual_seed compiled
+    and eager calls draw the same mask; outputs and gradients agree, one compile."""
+    torch._dynamo.reset()
+    backend = CountingBackend()
+
+    def attend(q, k, v):
+        return api.mha(q, k, v, causal=True, dropout_p=0.2)
+
+    compiled = torch.compile(attend, backend=backend, fullgraph=True, dynamic=True)
+    try:
+        for s in (24, 40):
+            leaves = [t.requires_grad_() for t in _qkv(2, s, 2, 2, seed=s, dtype=torch.bfloat16)]
+            twins = [t.detach().clone().requires_grad_() for t in leaves]
+            torch.manual_seed(123)
+            out = compiled(*leaves)
+            torch.manual_seed(123)
+            out2 = attend(*twins)
+            dout = torch.randn_like(out)
+            out.backward(dout)
+            out2.backward(dout)
+            torch.testing.assert_close(out, out2, rtol=0, atol=0)
+            for t, t2 in zip(leaves, twins):
+                torch.testing.assert_close(t.grad, t2.grad, rtol=0, atol=0)
+            assert stand_in.fwd_calls[-1]["features"].dropout
+        assert set(backend.compile_ids) == {(0, 0)}
+        assert "cute_attn.fwd_mods.default" in backend.ops and "cute_attn.bwd_mods.default" in backend.ops
+    finally:
+        torch._dynamo.reset()
+
+
+def test_closed_form_grads_with_dropout_are_autograds():
+    """The stand-in's backward with a dropout mask against autograd through
+    attention_ref_mod with the same mask."""
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 20, 2, 2, seed=4))
+    keep = dropout_mask(torch.tensor([3, 4], dtype=torch.int32), 1, 2, 20, 20, 0.3)
+    out, lse = attention_ref_mod(q, k, v, mask_mod=masks.causal(), dropout_keep=keep, dropout_p=0.3)
+    dout = torch.randn_like(out)
+    expected = torch.autograd.grad(out, (q, k, v), dout)
+    got = _grads_from_lse(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), 64 ** -0.5,
+                          masks.causal(), keep, 0.3)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)

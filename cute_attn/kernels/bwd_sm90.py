@@ -91,6 +91,7 @@ from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
 from cute_attn.blocks.bulk_copy import bulk_reduce_add_f32
 from cute_attn.blocks.mask import AttentionMask, Window
+from cute_attn.blocks.dropout import Dropout, DropoutArgs
 from cute_attn.blocks.mods import BlockList, ModTile
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import ColumnStat, ScoreScale, fold_score_scale, probs_from_lse, softcap_scores
@@ -128,6 +129,7 @@ class BwdGlobals(NamedTuple):
     # full_idx), blocks/mods.BlockList (else stand-ins, unread)
     sparse: tuple
     aux: tuple  # the mods' aux tensors (masks.SeqInfo.aux); else a stand-in, unread
+    dropout: DropoutArgs  # AttnFeatures.dropout only; else stand-ins, unread
 
 
 class BwdLayouts(NamedTuple):
@@ -236,11 +238,14 @@ class FlashBwdSm90:
         stream,
         sparse: tuple = None,
         aux: tuple = None,
+        dropout: DropoutArgs = None,
     ):
-        """sparse, aux: the mod entry point's transposed block mask and aux tensors
-        (otherwise None: stand-ins are passed, never read)."""
+        """sparse, aux, dropout: the mod entry point's transposed block mask, aux tensors
+        and dropout (otherwise None: stand-ins are passed, never read)."""
         if cutlass.const_expr(sparse is None):
             sparse = (mCuSeqlensQ,) * 4
+        if cutlass.const_expr(dropout is None):
+            dropout = DropoutArgs(mCuSeqlensQ, Int32(0), Float32(1.0))
         if cutlass.const_expr(aux is None):
             aux = (mCuSeqlensQ,)
         mQ, mK, mV, mdO, mdK, mdV = [bshd_as_sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -279,7 +284,7 @@ class FlashBwdSm90:
             lse2=make_tma_tensor(load_op, mLSE2, stats_tile, (self.tile_m,)),
             dsum=make_tma_tensor(load_op, mD, stats_tile, (self.tile_m,)),
             dk_rows=mdK, dv_rows=mdV, dq_accum=mdQaccum, dq_semaphore=mdQsemaphore,
-            cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, sparse=sparse, aux=aux,
+            cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, sparse=sparse, aux=aux, dropout=dropout,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, q_tile) + self.tile_m * 4
         self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, layouts.sK)
@@ -532,6 +537,9 @@ class FlashBwdSm90:
         step = (n_block, ops, layouts, smem, pipes, score.scale_log2, score.softcap_pre, tidx)
         # dK and dV sum over the group's query heads right here, in the accumulators
         for i in cutlass.range(group, unroll=1):
+            dropout = None
+            if cutlass.const_expr(self.features.dropout):
+                dropout = Dropout(g.dropout, seqlen.batch, head_kv * group + i)
             mods = None
             if cutlass.const_expr(self.features.has_mods):
                 mods = ModTile(self.features.mask_mod, self.features.score_mod, self.tile_m, self.tile_n, seqlen,
@@ -541,21 +549,21 @@ class FlashBwdSm90:
                 # ones (never the KV tile cut by seqlen_k, block_mask.py) none
                 blocks, _, count = self.q_blocks(g, tile, head_kv * group + i, block_range, seqlen)
                 for j in cutlass.range(blocks.num_partial, unroll=1):
-                    self.step(blocks.block(j), state, *step, mods, mods, masked=True)
+                    self.step(blocks.block(j), state, *step, mods, mods, dropout, masked=True)
                     state.advance()
                 for j in cutlass.range(blocks.num_partial, count, unroll=1):
-                    self.step(blocks.block(j), state, *step, mods, mods, masked=False)
+                    self.step(blocks.block(j), state, *step, mods, mods, dropout, masked=False)
                     state.advance()
             else:
                 for m_block in cutlass.range(m_block_min, right_end, unroll=1):
-                    self.step(m_block, state, *step, mask, mods, masked=True)
+                    self.step(m_block, state, *step, mask, mods, dropout, masked=True)
                     state.advance()
                 for m_block in cutlass.range(right_end, left_start, unroll=1):
-                    self.step(m_block, state, *step, mask, mods, masked=False)
+                    self.step(m_block, state, *step, mask, mods, dropout, masked=False)
                     state.advance()
                 if cutlass.const_expr(window.has_left):
                     for m_block in cutlass.range(left_start, m_block_max, unroll=1):
-                        self.step(m_block, state, *step, mask, mods, masked=True)
+                        self.step(m_block, state, *step, mask, mods, dropout, masked=True)
                         state.advance()
 
         # Epilogue: dV and dK leave through sV and sK, which every warpgroup must be done
@@ -589,11 +597,12 @@ class FlashBwdSm90:
     @cute.jit
     def step(
         self, m_block, state, n_block, ops: StepOperands, layouts: BwdLayouts, smem: BwdSmem,
-        pipes: BwdPipelines, scale_log2, softcap_pre, tidx, mask, mods,
+        pipes: BwdPipelines, scale_log2, softcap_pre, tidx, mask, mods, dropout,
         masked: cutlass.Constexpr[bool],
     ):
         """One query block: the five GEMMs for this CTA's keys. mask: an AttentionMask, or
-        with a mask mod the ModTile (mods), which also applies a score mod."""
+        with a mask mod the ModTile (mods), which also applies a score mod. dropout: a
+        blocks/dropout.Dropout or None."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = layouts.mma_sdp, layouts.mma_dkv, layouts.mma_dq
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
@@ -638,8 +647,21 @@ class FlashBwdSm90:
         if cutlass.const_expr(masked):
             mask.apply(acc_S, tScS, m_block, n_block, keys_on_rows=True)
         probs_from_lse(acc_S, lse2, scale_log2)
+        if cutlass.const_expr(dropout is not None):
+            # the forward's mask again, as a sign: P < 0 marks a dropped element
+            dropout.apply(acc_S, tScS, n_block * self.tile_n, m_block * self.tile_m, keys_on_rows=True, negate=True)
         # dS^T = P^T * (dP^T - D) (* the softcap's or score mod's derivative, folded in above)
-        if cutlass.const_expr(score_grad):
+        if cutlass.const_expr(dropout is not None):
+            # dropout: dP^T reaches the kept P scaled by 1 / (1 - p), a dropped one not at
+            # all; with the sign as the mask, dS = P (dP / (1 - p) - D) kept, (-P) D dropped
+            warpgroup.wait_group(0)
+            for c in cutlass.range_constexpr(num_cols):
+                dsum_c = dsum[c]
+                for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
+                    kept = P[r, c] >= 0.0
+                    dS[r, c] = P[r, c] * (dS[r, c] * dropout.inv_keep - dsum_c) if kept else P[r, c] * dsum_c
+                    P[r, c] = P[r, c] * dropout.inv_keep if kept else Float32(0.0)  # dV's P^T
+        elif cutlass.const_expr(score_grad):
             for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
                 for c in cutlass.range_constexpr(num_cols):
                     dS[r, c] = P[r, c] * dS[r, c]
@@ -695,10 +717,17 @@ class FlashBwdSm90Mods(FlashBwdSm90):
         mFullCount: cute.Tensor,
         mFullIdx: cute.Tensor,
         aux: tuple,
+        mDropoutSeed: cute.Tensor,  # (2,) int32 Philox key (AttnFeatures.dropout), else a stand-in
+        dropout_threshold: Int32,
+        dropout_inv_keep: Float32,
         max_seqlen_k: Int32,
         softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
         stream,
     ):
         self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mdK, mdV, mdQsemaphore, mCuSeqlensQ, mCuSeqlensK,
-                    max_seqlen_k, softmax_scale, Float32(0.0), Int32(0), Int32(0), stream,
-                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx), aux=aux)
+                    max_seqlen_k, softmax_scale, softcap, window_left, window_right, stream,
+                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx), aux=aux,
+                    dropout=DropoutArgs(mDropoutSeed, dropout_threshold, dropout_inv_keep))

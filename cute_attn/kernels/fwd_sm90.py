@@ -81,6 +81,7 @@ from cute_attn.blocks import epilogue, fp8_operand, lse_combine, mma_sm90
 from cute_attn.blocks.mods import BlockList, ModTile
 from cute_attn.blocks.barriers import NamedBarrier
 from cute_attn.blocks.block_range import BlockRange
+from cute_attn.blocks.dropout import Dropout, DropoutArgs
 from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import OnlineSoftmax, ScoreScale, fold_score_scale, softcap_scores
@@ -132,6 +133,7 @@ class FwdGlobals(NamedTuple):
     sparse: tuple
     aux: tuple  # the mods' aux tensors (masks.SeqInfo.aux); else a stand-in, unread
     sink: cute.Tensor  # (heads,) float32 attention-sink logits; AttnFeatures.sink only
+    dropout: DropoutArgs  # AttnFeatures.dropout only; else stand-ins, unread
 
 
 class FwdLayouts(NamedTuple):
@@ -234,13 +236,15 @@ class FlashFwdSm90:
         mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mPageTable: cute.Tensor, split: SplitBuffers,
         descale: tuple, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32, window_left: Int32,
         window_right: Int32, num_splits: Int32, stream, sparse: tuple = None, aux: tuple = None,
-        sink: cute.Tensor = None,
+        sink: cute.Tensor = None, dropout: DropoutArgs = None,
     ):
-        """mO, mLSE: what the tiles write (split-KV: the partials). sparse, aux, sink: the
-        mod entry point's block mask, aux tensors and sink logits (others: None, stand-ins
-        are used)."""
+        """mO, mLSE: what the tiles write (split-KV: the partials). sparse, aux, sink,
+        dropout: the mod entry point's block mask, aux tensors, sink logits and dropout
+        (others: None, stand-ins are used)."""
         if cutlass.const_expr(sink is None):
             sink = mLSE
+        if cutlass.const_expr(dropout is None):
+            dropout = DropoutArgs(mCuSeqlensQ, Int32(0), Float32(1.0))
         if cutlass.const_expr(sparse is None):
             sparse = (mLSE, mLSE, mLSE, mLSE)
         if cutlass.const_expr(aux is None):
@@ -289,7 +293,7 @@ class FlashFwdSm90:
             v=make_tma_tensor(load_op, mV, v_box, (self.kv_box_rows, d)),
             o=self._o_store(mO, layouts.sO, q_tma),
             o_rows=mO, lse=mLSE, cu_seqlens_q=mCuSeqlensQ, cu_seqlens_k=mCuSeqlensK, page_table=mPageTable,
-            split=split, descale=descale, sparse=sparse, aux=aux, sink=sink,
+            split=split, descale=descale, sparse=sparse, aux=aux, sink=sink, dropout=dropout,
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, layouts.sQ)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage)
@@ -555,6 +559,10 @@ class FlashFwdSm90:
                            tile.batch, tile.head, g.aux, score.softmax_scale)
             if cutlass.const_expr(self.features.mask_mod is not None):
                 mask = mods  # masks blocks by the mod (and the end of the keys)
+        dropout = None
+        if cutlass.const_expr(self.features.dropout):
+            # one query head per tile (no packed GQA with dropout, config.pack_gqa_for)
+            dropout = Dropout(g.dropout, tile.batch, tile.head)
         blocks, n_block_max, count = self.kv_blocks(g, tile, block_range, seqlen)
         if cutlass.const_expr(self.pingpong):
             if wg_idx == 0:
@@ -586,11 +594,13 @@ class FlashFwdSm90:
                 mods.apply_score(acc_S, ops.tScS, m_block, n_first)
             mask.apply(acc_S, ops.tScS, m_block, n_first)
             pending_scale.store(softmax.step(acc_S, is_first=True).load())
+            self.drop(dropout, acc_S, ops.tScS, m_block, n_first)
             self.scores_to_p(acc_S, tOrP)
             if cutlass.const_expr(not self.intra_wg_overlap):
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
 
-            step = (ops, layouts, pipes, softmax, mask, mods, m_block, wg_idx, pending_scale, score.softcap_pre)
+            step = (ops, layouts, pipes, softmax, mask, mods, dropout, m_block, wg_idx, pending_scale,
+                    score.softcap_pre)
             if cutlass.const_expr(blocks is not None):
                 # a block mask: its PARTIAL tiles (the mod evaluated per element), then
                 # its FULL ones (no mask); step 0 above was the first of either list
@@ -621,7 +631,10 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.features.sink):
             # one query head per tile (no packed GQA with a sink, config.pack_gqa_for)
             sink_log2 = g.sink[tile.head] * math.log2(math.e)
-        softmax.finalize(acc_O, lse, v_descale, sink_log2)
+        out_scale = v_descale
+        if cutlass.const_expr(self.features.dropout):
+            out_scale = dropout.inv_keep  # the kept P's 1 / (1 - p), once per row (no FP8 with dropout)
+        softmax.finalize(acc_O, lse, out_scale, sink_log2)
         if cutlass.const_expr(self.split_kv):
             self.store_partials(acc_O, lse, g, tiled_mma_pv, tidx, tile, seqlen)
             self.merge_if_last(g, smem, tile, seqlen, block_range.num_splits, tidx)
@@ -631,7 +644,7 @@ class FlashFwdSm90:
     @cute.jit
     def mainloop_step(
         self, n_block, kv_state, ops: MainloopOperands, layouts: FwdLayouts, pipes: FwdPipelines,
-        softmax: OnlineSoftmax, mask, mods, m_block, wg_idx, pending_scale, softcap_pre,
+        softmax: OnlineSoftmax, mask, mods, dropout, m_block, wg_idx, pending_scale, softcap_pre,
         masked: cutlass.Constexpr[bool],
     ):
         """One KV block. mask: an AttentionMask, or with a mask mod the ModTile (mods),
@@ -668,6 +681,7 @@ class FlashFwdSm90:
             if cutlass.const_expr(masked):
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
+            self.drop(dropout, acc_S, ops.tScS, m_block, n_block)
             warpgroup.wait_group(0)
             pipes.v.consumer_release(v_state)
             self.scores_to_p(acc_S, ops.tOrP)
@@ -689,9 +703,16 @@ class FlashFwdSm90:
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             row_scale = softmax.step(acc_S, is_first=False)
             softmax.rescale(ops.acc_O, row_scale)
+            self.drop(dropout, acc_S, ops.tScS, m_block, n_block)
             self.scores_to_p(acc_S, ops.tOrP)
             kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
         return kv_state
+
+    @cute.jit
+    def drop(self, dropout, acc_S, tScS, m_block, n_block):
+        """Dropout on P (after the softmax step: the row sums are the undropped ones)."""
+        if cutlass.const_expr(dropout is not None):
+            dropout.apply(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n)
 
     @cute.jit
     def scores_to_p(self, acc_S, tOrP):
@@ -928,8 +949,9 @@ class FlashFwdSm90Mods(FlashFwdSm90):
     cute_attn/masks.py): the dense kernel walking a block mask's tile lists (a mask mod)
     and applying the mods per element (blocks/mods.py). The mods' aux tensors arrive as
     one tuple, the mask mod's first; a call without aux tensors passes one stand-in.
-    The same entry point carries attention sinks (AttnFeatures.sink, with or without
-    mods: then the mask kind, window and softcap are the dense kernel's)."""
+    The same entry point carries attention sinks and dropout (AttnFeatures.sink /
+    .dropout, with or without mods: then the mask kind, window and softcap are the dense
+    kernel's)."""
 
     @cute.jit
     def __call__(
@@ -947,6 +969,9 @@ class FlashFwdSm90Mods(FlashFwdSm90):
         mFullIdx: cute.Tensor,
         aux: tuple,
         mSink: cute.Tensor,  # (heads,) float32 sink logits (AttnFeatures.sink), else a stand-in
+        mDropoutSeed: cute.Tensor,  # (2,) int32 Philox key (AttnFeatures.dropout), else a stand-in
+        dropout_threshold: Int32,
+        dropout_inv_keep: Float32,
         max_seqlen_q: Int32,
         softmax_scale: Float32,
         softcap: Float32,
@@ -957,4 +982,5 @@ class FlashFwdSm90Mods(FlashFwdSm90):
         split = SplitBuffers(mO, mLSE, mO, mLSE, mCuSeqlensK)  # unread stand-ins
         self.launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mCuSeqlensK, split, (mLSE, mLSE, mLSE),
                     max_seqlen_q, softmax_scale, softcap, window_left, window_right, Int32(1), stream,
-                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx), aux=aux, sink=mSink)
+                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx), aux=aux, sink=mSink,
+                    dropout=DropoutArgs(mDropoutSeed, dropout_threshold, dropout_inv_keep))

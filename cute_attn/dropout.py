@@ -1,0 +1,88 @@
+"""Attention dropout: which (query, key) pairs a call drops, as plain torch (issue 14).
+
+The kernels draw their dropout mask from Philox4x32-10 (Salmon et al., "Parallel random
+numbers: as easy as 1, 2, 3", SC 2011; cuRAND's and torch's counter-based generator),
+keyed by a per-call seed, so the forward and the backward regenerate the same mask from
+the element's coordinates alone, at any tile shape. This module computes that same mask
+with torch integer arithmetic: the tests compare the kernels against a reference that
+applies it, and a user can see which pairs a call dropped (`dropout_mask`).
+
+The counter layout (blocks/dropout.py follows it):
+
+- a *unit* is 4 elements: queries {q0, q0 + 8} x keys {k0, k0 + 8} with q0 % 16 < 8 and
+  k0 % 16 < 8 (positions within the sequence). One Philox call per unit gives 4 words of
+  32 bits, one per element: word (q // 8 % 2) * 2 + (k // 8 % 2). The 4 elements of a
+  unit are exactly those one thread holds of a WGMMA accumulator, in the forward's S
+  (queries on rows) and in the backward's S^T (keys on rows) alike, so no thread
+  computes a word it does not use;
+- the counter is (q0, k0, query head, batch entry), the key the call's seed (two 32-bit
+  words, drawn from torch's CUDA generator per call: CUDA-graph safe, reproducible after
+  torch.manual_seed);
+- an element is kept iff its word, unsigned, is >= threshold = floor(p * 2^32); kept
+  probabilities are scaled by 1 / (1 - p). The row sums and the LSE are those of the
+  undropped softmax (dropout acts on the normalised P, as in torch's dropout(softmax)).
+"""
+
+import torch
+
+PHILOX_ROUNDS = 10
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # the round multipliers
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # the key schedule's increments (golden ratio, sqrt(3) - 1)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo(a: torch.Tensor, m: int):
+    """(hi, lo) 32-bit halves of a * m for 32-bit a held in int64 (no 64-bit overflow:
+    a is split into 16-bit halves)."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    upper = a_hi * m  # < 2^48
+    low = ((upper & 0xFFFF) << 16) + a_lo * m  # < 2^49
+    return ((upper >> 16) + (low >> 32)) & _MASK32, low & _MASK32
+
+
+def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
+    """Philox4x32 on broadcasting int64 tensors holding 32-bit values: counter (c0, c1,
+    c2, c3), key (k0, k1) -> 4 words."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) & _MASK32 for c in counter)
+    k0, k1 = (torch.as_tensor(k, dtype=torch.int64) & _MASK32 for k in key)
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + PHILOX_W[0]) & _MASK32, (k1 + PHILOX_W[1]) & _MASK32
+        hi0, lo0 = _mulhilo(c0, PHILOX_M[0])
+        hi1, lo1 = _mulhilo(c2, PHILOX_M[1])
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def threshold(p: float) -> int:
+    """The unsigned 32-bit threshold of drop probability p (a word below it drops)."""
+    return min(int(p * 2 ** 32), _MASK32)
+
+
+def dropout_mask(seed: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                 dropout_p: float) -> torch.Tensor:
+    """The keep mask, bool (batch, heads, seqlen_q, seqlen_k), that mha(...,
+    dropout_p=dropout_p, dropout_seed=seed) applied: seed the call's int32 (2,) tensor."""
+    if seed.dtype != torch.int32 or seed.shape != (2,):
+        raise ValueError(f"seed must be an int32 tensor of shape (2,), got {seed.dtype} {tuple(seed.shape)}")
+    device = seed.device
+    k0, k1 = (seed.to(torch.int64) & _MASK32).unbind()
+    q = torch.arange(seqlen_q, device=device)
+    k = torch.arange(seqlen_k, device=device)
+    q0 = (q - (q // 8 % 2) * 8).view(1, 1, -1, 1)
+    k0_idx = (k - (k // 8 % 2) * 8).view(1, 1, 1, -1)
+    word_index = ((q // 8 % 2).view(-1, 1) * 2 + (k // 8 % 2).view(1, -1)).view(1, 1, seqlen_q, seqlen_k)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    words = philox4x32((q0, k0_idx, h, b), (k0, k1))
+    shape = (batch, heads, seqlen_q, seqlen_k)
+    word = torch.zeros(shape, dtype=torch.int64, device=device)
+    for i, w in enumerate(words):
+        word = torch.where(word_index == i, w.expand(shape), word)
+    return word >= threshold(dropout_p)
+
+
+def new_seed(device) -> torch.Tensor:
+    """A call's Philox key, int32 (2,), drawn on the device from torch's generator: no host
+    sync, and under CUDA-graph capture torch advances the generator per replay."""
+    return torch.randint(-2 ** 31, 2 ** 31 - 1, (2,), dtype=torch.int32, device=device)

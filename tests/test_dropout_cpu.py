@@ -1,0 +1,113 @@
+"""Dropout's generator and mask on the CPU (cute_attn/dropout.py): Philox4x32-10 against
+its published known-answer vectors, the mask's keep rate and its independence of the
+shape it is drawn at, and mha's dropout argument checks (before any kernel)."""
+
+import math
+
+import pytest
+import torch
+
+import cute_attn
+import cute_attn.validation as validation
+from cpu_standin import LauncherTrap, fake_cuda
+from cute_attn.dropout import dropout_mask, philox4x32, threshold
+
+
+# Random123's kat_vectors for philox4x32_R(10): (counter, key) -> words
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", KAT)
+def test_philox_known_answers(counter, key, expected):
+    assert tuple(int(w) for w in philox4x32(counter, key)) == expected
+
+
+def test_philox_vectorised_equals_scalar():
+    c0 = torch.arange(50, dtype=torch.int64) * 977
+    words = philox4x32((c0, 3, 4, 5), (11, 12))
+    for i in (0, 17, 49):
+        scalar = philox4x32((int(c0[i]), 3, 4, 5), (11, 12))
+        assert all(int(w[i]) == int(s) for w, s in zip(words, scalar))
+
+
+def _seed(a, b):
+    return torch.tensor([a, b], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_within_binomial_bound(p):
+    keep = dropout_mask(_seed(7, -3), 2, 3, 200, 300, p)
+    n = keep.numel()
+    rate = keep.float().mean().item()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(rate - (1 - p)) < 5 * sigma, f"keep rate {rate:.5f} vs {1 - p} (5 sigma {5 * sigma:.5f})"
+    # rows and columns too: no structure in the layout of the units
+    row_rates = keep.float().mean(-1).flatten()
+    assert (row_rates - (1 - p)).abs().max() < 6 * math.sqrt(p * (1 - p) / 300)
+
+
+def test_mask_depends_on_the_element_not_the_shape_or_tile():
+    small = dropout_mask(_seed(1, 2), 2, 2, 40, 50, 0.3)
+    big = dropout_mask(_seed(1, 2), 3, 4, 64, 80, 0.3)
+    assert torch.equal(small, big[:2, :2, :40, :50])
+
+
+def test_seeds_heads_and_batch_entries_draw_different_masks():
+    a = dropout_mask(_seed(1, 2), 2, 2, 64, 64, 0.5)
+    b = dropout_mask(_seed(1, 3), 2, 2, 64, 64, 0.5)
+    assert (a != b).float().mean() > 0.4
+    assert (a[0, 0] != a[0, 1]).float().mean() > 0.4 and (a[0, 0] != a[1, 0]).float().mean() > 0.4
+
+
+def test_threshold():
+    assert threshold(0.0) == 0 and threshold(0.5) == 2 ** 31 and threshold(0.9999999999) == 2 ** 32 - 1
+
+
+def _cpu_qkv():
+    return tuple(fake_cuda(torch.randn(1, 64, 2, 64, dtype=torch.bfloat16)) for _ in range(3))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(dropout_p=1.0), ValueError, r"in \[0, 1\)"),
+    (dict(dropout_p=-0.1), ValueError, r"in \[0, 1\)"),
+    (dict(dropout_p=True), TypeError, "must be a float"),
+    (dict(dropout_p="0.1"), TypeError, "must be a float"),
+    (dict(dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int64)), ValueError, "int32 tensor of shape"),
+    (dict(dropout_p=0.1, dropout_seed=torch.zeros(3, dtype=torch.int32)), ValueError, "int32 tensor of shape"),
+    (dict(dropout_p=0.1, dropout_seed=[1, 2]), TypeError, "must be a torch.Tensor"),
+    (dict(dropout_p=0.0, dropout_seed=torch.zeros(2, dtype=torch.int32)), ValueError, "goes with dropout_p"),
+    (dict(dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int32)), ValueError, "dropout_seed is on cpu"),
+])
+def test_api_rejects_bad_dropout_arguments(kwargs, error, match, monkeypatch):
+    monkeypatch.setattr(cute_attn.api, "_launcher_module", LauncherTrap(" on bad dropout arguments"))
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    q, k, v = _cpu_qkv()
+    with pytest.raises(error, match=match):
+        cute_attn.mha(q, k, v, **kwargs)
+
+
+def test_dropout_with_softcap_under_autograd_is_refused(monkeypatch):
+    monkeypatch.setattr(cute_attn.api, "_launcher_module", LauncherTrap(" on dropout with softcap"))
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    q, k, v = (t.requires_grad_() for t in _cpu_qkv())
+    seed = fake_cuda(torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="softcap or a score_mod"):
+        cute_attn.mha(q, k, v, softcap=5.0, dropout_p=0.1, dropout_seed=seed)
+
+
+def test_dropout_kernels_compile():
+    """Forward and backward with dropout compile on the CPU (sm_90a), the Philox rounds
+    in the PTX as 32 x 32 -> 64-bit multiplies."""
+    from cute_attn.config import AttnFeatures, bwd_config_for, fwd_config_for
+    from cute_attn.launcher import BwdKey, FwdKey, compile_bwd, compile_fwd
+
+    features = AttnFeatures(mask="causal", dropout=True)
+    fwd = compile_fwd(FwdKey("bf16", 128, features, fwd_config_for(128, features)), "--keep-ptx").__ptx__
+    _, main, _ = compile_bwd(BwdKey("bf16", 128, features, bwd_config_for(128, features), False), "--keep-ptx")
+    for ptx in (fwd, main.__ptx__):
+        assert "wgmma.mma_async" in ptx and ptx.count("mul.wide.u32") >= 20
