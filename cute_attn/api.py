@@ -117,7 +117,7 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             -sum_i e^{sink - lse_i} dO_i . O_i). Works with causal, window_size, softcap
             or the mods; no packed GQA or split-KV (the mods' forward kernel).
         dropout_p: drop probability of attention dropout on the softmax's P (kept ones
-            scaled by 1 / (1 - dropout_p); lse stays the undropped one), forward and
+            scaled by 1 / (1 - dropout_p), p taken to 1/256; lse stays the undropped one), forward and
             backward, from a counter-based Philox generator (cute_attn/dropout.py):
             the backward regenerates the forward's mask. Works with causal, window_size,
             the mods and a sink; not with softcap or a score_mod under autograd, FP8,

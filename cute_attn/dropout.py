@@ -1,31 +1,34 @@
 """Attention dropout: which (query, key) pairs a call drops, as plain torch (issue 14).
 
-The kernels draw their dropout mask from Philox4x32-10 (Salmon et al., "Parallel random
-numbers: as easy as 1, 2, 3", SC 2011; cuRAND's and torch's counter-based generator),
-keyed by a per-call seed, so the forward and the backward regenerate the same mask from
-the element's coordinates alone, at any tile shape. This module computes that same mask
-with torch integer arithmetic: the tests compare the kernels against a reference that
-applies it, and a user can see which pairs a call dropped (`dropout_mask`).
+The kernels draw their dropout mask from Philox4x32 (Salmon et al., "Parallel random
+numbers: as easy as 1, 2, 3", SC 2011; cuRAND's and torch's counter-based generator) at 7
+rounds (Philox4x32-7, which the paper reports passing TestU01's BigCrush; 10 is the
+default with a safety margin, and costs the forward 43% more integer work), keyed by a
+per-call seed, so the forward and the backward regenerate the same mask from the
+element's coordinates alone, at any tile shape. This module computes that same mask with
+torch integer arithmetic: the tests compare the kernels against a reference that applies
+it, and a user can see which pairs a call dropped (`dropout_mask`).
 
-The counter layout (blocks/dropout.py follows it):
+The counter layout (blocks/dropout.py follows it). Positions are within the sequence:
 
-- a *unit* is 4 elements: queries {q0, q0 + 8} x keys {k0, k0 + 8} with q0 % 16 < 8 and
-  k0 % 16 < 8 (positions within the sequence). One Philox call per unit gives 4 words of
-  32 bits, one per element: word (q // 8 % 2) * 2 + (k // 8 % 2). The 4 elements of a
-  unit are exactly those one thread holds of a WGMMA accumulator, in the forward's S
-  (queries on rows) and in the backward's S^T (keys on rows) alike, so no thread
-  computes a word it does not use;
-- the counter is (q0, k0, query head, batch entry), the key the call's seed (two 32-bit
-  words, drawn from torch's CUDA generator per call: CUDA-graph safe, reproducible after
-  torch.manual_seed);
-- an element is kept iff its word, unsigned, is >= threshold = floor(p * 2^32); kept
-  probabilities are scaled by 1 / (1 - p). The row sums and the LSE are those of the
-  undropped softmax (dropout acts on the normalised P, as in torch's dropout(softmax)).
+- a *unit* is 4 elements, queries {q0, q0 + 8} x keys {k0, k0 + 8} with q0 % 16 < 8 and
+  k0 % 16 < 8: exactly what one thread holds of a WGMMA accumulator, in the forward's S
+  (queries on rows) and in the backward's S^T (keys on rows) alike;
+- a *group* is the 4 units of one q0 and the keys k0 in {g, g + 1, g + 16, g + 17},
+  g = k0 with bits 0 and 4 cleared: 16 elements, one Philox call (counter (q0, g, query
+  head, batch entry), key the seed), one byte each: word (k0 >> 4 & 1) * 2 + (k0 & 1),
+  byte (q // 8 % 2) * 2 + (k // 8 % 2). A forward thread holds whole groups (its row pair
+  runs along the keys), so it draws one call per 16 elements; a backward thread holds one
+  unit per group (its row pair runs along the queries) and uses one word per call;
+- an element is kept iff its byte is >= threshold = round(p * 256): p is taken to 1/256,
+  and kept probabilities are scaled by 1 / (1 - threshold / 256), so the expectation is
+  exact. The row sums and the LSE are those of the undropped softmax (dropout acts on the
+  normalised P, as torch's dropout(softmax) does).
 """
 
 import torch
 
-PHILOX_ROUNDS = 10
+PHILOX_ROUNDS = 7  # the kernels' (philox4x32 defaults to the standard 10 for its known answers)
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # the round multipliers
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # the key schedule's increments (golden ratio, sqrt(3) - 1)
 _MASK32 = 0xFFFFFFFF
@@ -40,7 +43,7 @@ def _mulhilo(a: torch.Tensor, m: int):
     return ((upper >> 16) + (low >> 32)) & _MASK32, low & _MASK32
 
 
-def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
+def philox4x32(counter, key, rounds: int = 10):
     """Philox4x32 on broadcasting int64 tensors holding 32-bit values: counter (c0, c1,
     c2, c3), key (k0, k1) -> 4 words."""
     c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) & _MASK32 for c in counter)
@@ -55,8 +58,13 @@ def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
 
 
 def threshold(p: float) -> int:
-    """The unsigned 32-bit threshold of drop probability p (a word below it drops)."""
-    return min(int(p * 2 ** 32), _MASK32)
+    """The 8-bit threshold of drop probability p (a byte below it drops)."""
+    return min(round(p * 256), 255)
+
+
+def keep_scale(p: float) -> float:
+    """1 / (1 - P(drop)) for the threshold's drop probability threshold(p) / 256."""
+    return 1.0 / (1.0 - threshold(p) / 256)
 
 
 def dropout_mask(seed: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
@@ -66,20 +74,22 @@ def dropout_mask(seed: torch.Tensor, batch: int, heads: int, seqlen_q: int, seql
     if seed.dtype != torch.int32 or seed.shape != (2,):
         raise ValueError(f"seed must be an int32 tensor of shape (2,), got {seed.dtype} {tuple(seed.shape)}")
     device = seed.device
-    k0, k1 = (seed.to(torch.int64) & _MASK32).unbind()
-    q = torch.arange(seqlen_q, device=device)
-    k = torch.arange(seqlen_k, device=device)
-    q0 = (q - (q // 8 % 2) * 8).view(1, 1, -1, 1)
-    k0_idx = (k - (k // 8 % 2) * 8).view(1, 1, 1, -1)
-    word_index = ((q // 8 % 2).view(-1, 1) * 2 + (k // 8 % 2).view(1, -1)).view(1, 1, seqlen_q, seqlen_k)
+    key = tuple((seed.to(torch.int64) & _MASK32).unbind())
+    q = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    k = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    q_hi, k_hi = q // 8 % 2, k // 8 % 2
+    q0, k0 = q - 8 * q_hi, k - 8 * k_hi
+    group = k0 & ~17
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    words = philox4x32((q0, k0_idx, h, b), (k0, k1))
+    words = philox4x32((q0, group, h, b), key, PHILOX_ROUNDS)
     shape = (batch, heads, seqlen_q, seqlen_k)
+    word_index = ((k0 >> 4 & 1) * 2 + (k0 & 1)).expand(shape)
     word = torch.zeros(shape, dtype=torch.int64, device=device)
     for i, w in enumerate(words):
         word = torch.where(word_index == i, w.expand(shape), word)
-    return word >= threshold(dropout_p)
+    byte = (word >> (8 * (q_hi * 2 + k_hi))) & 0xFF
+    return byte >= threshold(dropout_p)
 
 
 def new_seed(device) -> torch.Tensor:

@@ -240,13 +240,12 @@ def _fake_dropout_args():
 
 def _dropout_arguments(device, args: RunArgs):
     """(seed, threshold, inv_keep) of a call for the mods' entry points (stand-ins when
-    it has no dropout): the threshold's unsigned 32-bit pattern as an Int32."""
-    from cute_attn.dropout import threshold
+    it has no dropout)."""
+    from cute_attn.dropout import keep_scale, threshold
 
     if args.dropout_seed is None:
         return _unused_cu_seqlens(device), 0, 1.0
-    t = threshold(args.dropout_p)
-    return args.dropout_seed, t - (1 << 32) if t >= 1 << 31 else t, 1.0 / (1.0 - args.dropout_p)
+    return args.dropout_seed, threshold(args.dropout_p), keep_scale(args.dropout_p)
 
 
 _AUX_DSL_TYPES = {torch.int32: "Int32", torch.int64: "Int64", torch.int16: "Int16", torch.int8: "Int8",

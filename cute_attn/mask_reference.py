@@ -75,8 +75,8 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     sink: (heads,) attention-sink logits, one more term e^sink in each row's denominator
     (a key with a zero value vector that every query sees; differentiable).
     dropout_keep: bool (batch, heads, seqlen_q, seqlen_k), the pairs dropout keeps
-    (cute_attn.dropout_mask); kept probabilities are scaled by 1 / (1 - dropout_p), lse
-    is the undropped softmax's.
+    (cute_attn.dropout_mask); kept probabilities are scaled by dropout.keep_scale
+    (1 / (1 - p) for p taken to 1/256), lse is the undropped softmax's.
     """
     batch, sq, heads, d = q.shape
     sk = k.shape[1]
@@ -117,7 +117,9 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     if sink is not None:
         probs = probs[..., :-1]
     if dropout_keep is not None:
-        probs = probs * dropout_keep / (1.0 - dropout_p)
+        from cute_attn.dropout import keep_scale
+
+        probs = probs * dropout_keep * keep_scale(dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse.squeeze(-1)
 

@@ -10,7 +10,7 @@ import torch
 import cute_attn
 import cute_attn.validation as validation
 from cpu_standin import LauncherTrap, fake_cuda
-from cute_attn.dropout import dropout_mask, philox4x32, threshold
+from cute_attn.dropout import PHILOX_ROUNDS, dropout_mask, keep_scale, philox4x32, threshold
 
 
 # Random123's kat_vectors for philox4x32_R(10): (counter, key) -> words
@@ -39,9 +39,10 @@ def _seed(a, b):
     return torch.tensor([a, b], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_keep_rate_within_binomial_bound(p):
-    keep = dropout_mask(_seed(7, -3), 2, 3, 200, 300, p)
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_keep_rate_within_binomial_bound(rate):
+    keep = dropout_mask(_seed(7, -3), 2, 3, 200, 300, rate)
+    p = threshold(rate) / 256  # the drop probability the byte threshold gives
     n = keep.numel()
     rate = keep.float().mean().item()
     sigma = math.sqrt(p * (1 - p) / n)
@@ -64,8 +65,22 @@ def test_seeds_heads_and_batch_entries_draw_different_masks():
     assert (a[0, 0] != a[0, 1]).float().mean() > 0.4 and (a[0, 0] != a[1, 0]).float().mean() > 0.4
 
 
-def test_threshold():
-    assert threshold(0.0) == 0 and threshold(0.5) == 2 ** 31 and threshold(0.9999999999) == 2 ** 32 - 1
+def test_threshold_and_scale():
+    assert threshold(0.0) == 0 and threshold(0.5) == 128 and threshold(0.9999) == 255
+    assert keep_scale(0.1) == 1 / (1 - 26 / 256)
+
+
+def test_mask_follows_the_group_layout():
+    """Element (q, k)'s byte: group counter (q0, k0 & ~17, head, batch), word
+    (k0 >> 4 & 1) * 2 + (k0 & 1), byte (q // 8 % 2) * 2 + k // 8 % 2 (dropout.py)."""
+    seed, p = _seed(9, 8), 0.5
+    keep = dropout_mask(seed, 2, 3, 40, 70, p)
+    for b, h, q, k in ((0, 0, 0, 0), (1, 2, 13, 41), (1, 1, 39, 69), (0, 2, 24, 17)):
+        q0, k0 = q - 8 * (q // 8 % 2), k - 8 * (k // 8 % 2)
+        words = philox4x32((q0, k0 & ~17, h, b), (9, 8), PHILOX_ROUNDS)
+        word = int(words[(k0 >> 4 & 1) * 2 + (k0 & 1)])
+        byte = word >> (8 * ((q // 8 % 2) * 2 + k // 8 % 2)) & 0xFF
+        assert bool(keep[b, h, q, k]) == (byte >= threshold(p))
 
 
 def _cpu_qkv():

@@ -16,7 +16,7 @@ import cute_attn.ops as ops
 import cute_attn.validation as validation
 from cute_attn import block_mask as bm
 from cute_attn import masks
-from cute_attn.dropout import dropout_mask
+from cute_attn.dropout import dropout_mask, keep_scale
 from cute_attn.mask_reference import attention_ref_mod, dense_mask
 from test_ops_cpu import OPCHECK_UTILS, SIX, CountingBackend, ops_mha
 
@@ -81,7 +81,7 @@ def _grads_from_lse(dout, q, k, v, out, lse, scale, mask_mod, keep=None, dropout
     if mask_mod is not None:
         p = p.masked_fill(~dense_mask(mask_mod, b, h, sq, sk), 0.0)
     p = torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
-    factor = 1.0 if keep is None else keep / (1.0 - dropout_p)
+    factor = 1.0 if keep is None else keep * keep_scale(dropout_p)
     dv = torch.einsum("bhqk,bqhd->bkhd", p * factor, do)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
     big_d = (do * out.float()).sum(-1).transpose(1, 2).unsqueeze(-1)

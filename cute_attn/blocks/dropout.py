@@ -1,15 +1,16 @@
-"""Dropout on a score tile in registers: Philox4x32 words per element, drawn from the
-element's coordinates (cute_attn/dropout.py holds the counter layout and the same mask in
-torch, which the tests hold the kernels to).
+"""Dropout on a score tile in registers: Philox4x32 bytes per element, drawn from the
+element's coordinates (cute_attn/dropout.py holds the counter layout, units and groups,
+and the same mask in torch, which the tests hold the kernels to).
 
 A WGMMA accumulator fragment ((2, 2, V), M, N) gives each thread, per 64-row block and
-16-column group, rows {r, r + 8} x columns {c, c + 1, c + 8, c + 9}: two Philox units
-(columns c and c + 1 each with c + 8, rows r and r + 8). So a thread evaluates one Philox
-call per 4 of its elements and uses every word, in the forward's S (queries on rows) and
-in the backward's S^T (keys on rows): the unit is symmetric, only the word order swaps.
+16-column group, rows {r, r + 8} x columns {c, c + 1, c + 8, c + 9}: two units. The
+forward (queries on rows) holds the 4 units of a group in two neighbouring 16-column
+blocks and draws one Philox call per 16 elements; the backward (keys on rows) holds one
+unit per group and draws a call per 4 elements, using one of its words.
 
-Cost: 10 rounds of 2 wide multiplies and 2 three-way XORs per 4 elements, plus the
-compare, on the integer pipe beside the tensor cores (perf/NOTES.md has the measurement).
+Cost: PHILOX_ROUNDS rounds of 2 wide multiplies and 2 three-way XORs per call, then a
+shift, mask and compare per element, on the integer pipe beside the tensor cores
+(perf/NOTES.md has the measurements).
 """
 
 from typing import NamedTuple
@@ -26,8 +27,8 @@ class DropoutArgs(NamedTuple):
     """A call's dropout as the kernels receive it (launcher: from RunArgs)."""
 
     seed: cute.Tensor  # (2,) int32: the Philox key, on the device
-    threshold: Int32  # floor(p * 2^32) as a 32-bit pattern: a word below it (unsigned) drops
-    inv_keep: Float32  # 1 / (1 - p), the kept probabilities' scale
+    threshold: Int32  # dropout.threshold(p), 0..255: a byte below it drops
+    inv_keep: Float32  # dropout.keep_scale(p), the kept probabilities' scale
 
 
 @cute.jit
@@ -47,6 +48,14 @@ def philox(c0: Uint32, c1: Uint32, c2: Uint32, c3: Uint32, k0: Uint32, k1: Uint3
     return c0, c1, c2, c3
 
 
+@cute.jit
+def _pick(words, i: Uint32) -> Uint32:
+    """words[i] for a run-time i in 0..3 (three selects)."""
+    low = words[1] if (i & Uint32(1)) != Uint32(0) else words[0]
+    high = words[3] if (i & Uint32(1)) != Uint32(0) else words[2]
+    return high if i >= Uint32(2) else low
+
+
 class Dropout(Staged):
     """The dropout of one work tile: batch entry `batch`, query head `head`."""
 
@@ -59,6 +68,16 @@ class Dropout(Staged):
         self.head = Uint32(head)
 
     @cute.jit
+    def _keep(self, word: Uint32, byte: cutlass.Constexpr[int]):
+        return ((word >> Uint32(8 * byte)) & Uint32(0xFF)) >= self.threshold
+
+    @cute.jit
+    def _group_words(self, q0: Int32, k0: Int32):
+        """The 4 words of the group of unit (q0, k0)."""
+        group = Uint32(k0) & Uint32(0xFFFFFFEE)  # bits 0 and 4 cleared
+        return philox(Uint32(q0), group, self.head, self.batch, self.k0, self.k1)
+
+    @cute.jit
     def apply(self, acc: cute.Tensor, tScS: cute.Tensor, row_base: Int32, col_base: Int32,
               keys_on_rows: cutlass.Constexpr[bool] = False, negate: cutlass.Constexpr[bool] = False):
         """Drop elements of acc (a P tile, raw accumulator layout ((2, 2, V), M, N)):
@@ -69,21 +88,59 @@ class Dropout(Staged):
         v = cute.size(acc.shape[0][2])
         for mi in cutlass.range_constexpr(cute.size(acc.shape[1])):
             for ni in cutlass.range_constexpr(cute.size(acc.shape[2])):
-                for pair in cutlass.range_constexpr(v // 2):
-                    for e in cutlass.range_constexpr(2):
-                        # the unit's 4 elements: rows +0 / +8 (mode 0.1), column groups
-                        # 2 pair and 2 pair + 1, 8 apart (mode 0.2)
-                        base = ((e, 0, 2 * pair), mi, ni)
-                        row = row_base + tScS[base][0]
-                        col = col_base + tScS[base][1]
-                        q0, k0 = (col, row) if cutlass.const_expr(keys_on_rows) else (row, col)
-                        words = philox(Uint32(q0), Uint32(k0), self.head, self.batch, self.k0, self.k1)
-                        for rh in cutlass.range_constexpr(2):
-                            for kh in cutlass.range_constexpr(2):
-                                # word (q // 8 % 2) * 2 + (k // 8 % 2)
-                                word = words[kh * 2 + rh] if cutlass.const_expr(keys_on_rows) else words[rh * 2 + kh]
-                                idx = ((e, rh, 2 * pair + kh), mi, ni)
-                                if cutlass.const_expr(negate):
-                                    acc[idx] = acc[idx] if word >= self.threshold else -acc[idx]
-                                else:
-                                    acc[idx] = acc[idx] if word >= self.threshold else Float32(0.0)
+                if cutlass.const_expr(keys_on_rows):
+                    self._apply_keys_on_rows(acc, tScS, row_base, col_base, mi, ni, v, negate)
+                else:
+                    self._apply_queries_on_rows(acc, tScS, row_base, col_base, mi, ni, v, negate)
+
+    @cute.jit
+    def _drop(self, acc, idx, keep, negate: cutlass.Constexpr[bool]):
+        if cutlass.const_expr(negate):
+            acc[idx] = acc[idx] if keep else -acc[idx]
+        else:
+            acc[idx] = acc[idx] if keep else Float32(0.0)
+
+    @cute.jit
+    def _apply_queries_on_rows(self, acc, tScS, row_base, col_base, mi: cutlass.Constexpr[int],
+                               ni: cutlass.Constexpr[int], v: cutlass.Constexpr[int], negate: cutlass.Constexpr[bool]):
+        """The forward's S: a 16-column block is column groups j = 2 blk, 2 blk + 1 (8
+        apart: keys k0 and k0 + 8), and two neighbouring blocks share a group when the
+        tile's first column is 32-aligned and it has an even number of blocks (static);
+        otherwise each block draws its own call and picks its words at run time."""
+        blocks = v // 2
+        paired = blocks % 2 == 0  # col_base is a multiple of the tile width: 32-aligned when this holds
+        step = 2 if paired else 1
+        for blk0 in cutlass.range_constexpr(0, blocks, step):
+            base = ((0, 0, 2 * blk0), mi, ni)
+            q0 = row_base + tScS[base][0]
+            k0 = col_base + tScS[base][1]  # e = 0: the even key of the pair
+            words = self._group_words(q0, k0)
+            for b in cutlass.range_constexpr(step):
+                for e in cutlass.range_constexpr(2):
+                    if cutlass.const_expr(paired):
+                        word = words[b * 2 + e]  # block parity b, key parity e (static)
+                    else:
+                        kb = Uint32(k0 + e)
+                        word = _pick(words, ((kb >> Uint32(4)) & Uint32(1)) * Uint32(2) + (kb & Uint32(1)))
+                    for rh in cutlass.range_constexpr(2):
+                        for kh in cutlass.range_constexpr(2):
+                            idx = ((e, rh, 2 * (blk0 + b) + kh), mi, ni)
+                            self._drop(acc, idx, self._keep(word, rh * 2 + kh), negate)
+
+    @cute.jit
+    def _apply_keys_on_rows(self, acc, tScS, row_base, col_base, mi: cutlass.Constexpr[int],
+                            ni: cutlass.Constexpr[int], v: cutlass.Constexpr[int], negate: cutlass.Constexpr[bool]):
+        """The backward's S^T: the thread's key pair fixes the word of every group it
+        touches; each unit (query pair q0, q0 + 8) is a call of its own."""
+        k0 = row_base + tScS[((0, 0, 0), mi, ni)][0]
+        kb = Uint32(k0)
+        word_index = ((kb >> Uint32(4)) & Uint32(1)) * Uint32(2) + (kb & Uint32(1))
+        for blk in cutlass.range_constexpr(v // 2):
+            for e in cutlass.range_constexpr(2):
+                base = ((e, 0, 2 * blk), mi, ni)
+                q0 = col_base + tScS[base][1]
+                word = _pick(self._group_words(q0, k0), word_index)
+                for rh in cutlass.range_constexpr(2):  # key + 8 (k_hi)
+                    for qh in cutlass.range_constexpr(2):  # query + 8 (q_hi)
+                        idx = ((e, rh, 2 * blk + qh), mi, ni)
+                        self._drop(acc, idx, self._keep(word, qh * 2 + rh), negate)
