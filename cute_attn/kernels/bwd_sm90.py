@@ -539,7 +539,8 @@ class FlashBwdSm90:
         for i in cutlass.range(group, unroll=1):
             dropout = None
             if cutlass.const_expr(self.features.dropout):
-                dropout = Dropout(g.dropout, seqlen.batch, head_kv * group + i)
+                # the sequence's index, as the forward's tile.batch (seqlen.batch is 0 for varlen)
+                dropout = Dropout(g.dropout, tile.batch, head_kv * group + i)
             mods = None
             if cutlass.const_expr(self.features.has_mods):
                 mods = ModTile(self.features.mask_mod, self.features.score_mod, self.tile_m, self.tile_n, seqlen,
