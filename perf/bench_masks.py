@@ -15,8 +15,8 @@ that skips masked tiles is not credited for work it avoids; `causal_tflops` is c
 own causal kernel at the same shape (its FLOPs: the causal pairs), the yardstick of the
 issue's "within 0.85x of cute_attn's causal" target. The backward (keys prefixed bwd_) is
 timed alone: one forward keeps its graph, then autograd.grad of a fixed dout; its FLOPs
-are 2.5x the forward's (five GEMMs to two). Timing: perf/harness.py's interleaved rounds,
-median of rounds.
+are 2.5x the forward's (five GEMMs to two). Timing: perf/harness.py's interleaved rounds
+(pass_call, time_passes), median of rounds.
 
     python3 perf/bench_masks.py [--rounds 3] [--cases bd,documents,prefix_lm,alibi]
                                 [--directions fwd,bwd] [--out DIR]
@@ -163,26 +163,14 @@ def run_case(c, rounds, impls, directions=("fwd", "bwd")):
     rec["errors"] = {}
     for direction in directions:
         prefix = "" if direction == "fwd" else "bwd_"
-        calls = {}
-        for name, fwd in forwards.items():
-            try:
-                calls[name] = _timed_call(direction, fwd, q, k, v)
-                calls[name]()
-            except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
-                rec["errors"][prefix + name] = harness.reason(exc)
-                calls.pop(name, None)
-        harness.synchronize()
-        timers = {name: (lambda fn=fn: harness.do_bench(fn)) for name, fn in calls.items()}
-        ms_rounds, errors = harness.run_rounds(timers, rounds)
-        rec["errors"].update({prefix + n: harness.reason(e) for n, e in errors.items()})
-        rec[prefix + "ms_rounds"] = ms_rounds
+        makers = {name: (lambda fwd=fwd: harness.pass_call(direction, fwd, (q, k, v))) for name, fwd in forwards.items()}
+        ms = harness.time_passes(makers, rounds, rec, prefix)
         # the backward's five GEMMs against the forward's two: 2.5x the FLOPs
         per_pair = 4.0 * d * (1.0 if direction == "fwd" else 2.5)
-        for name, r in ms_rounds.items():
-            ms = harness.median_ms(r)
+        for name, t in ms.items():
             flops = per_pair * (b * h * s * (s + 1) / 2 if name == "cute_attn_causal" else pairs)
-            rec[f"{prefix}{name}_ms"] = ms
-            rec[f"{prefix}{name}_tflops"] = harness.tflops(flops, ms)
+            rec[f"{prefix}{name}_ms"] = t
+            rec[f"{prefix}{name}_tflops"] = harness.tflops(flops, t)
         cute = rec.get(f"{prefix}cute_attn_ms")
         for anchor in ("flex", "sdpa_dense_mask"):
             if cute and rec.get(f"{prefix}{anchor}_ms"):
@@ -199,22 +187,6 @@ def run_case(c, rounds, impls, directions=("fwd", "bwd")):
     for name, why in rec["errors"].items():
         log(f"  {name}: {why}")
     return rec
-
-
-def _timed_call(direction, fwd, q, k, v):
-    """The call to time: the forward under no_grad, or the backward alone (one forward
-    with grad kept, then autograd.grad of a fixed random dout, graph retained)."""
-    import torch
-
-    if direction == "fwd":
-        def call():
-            with torch.no_grad():
-                return fwd(q, k, v)
-        return call
-    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
-    out = fwd(*leaves)
-    dout = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
 def main(argv=None) -> int:

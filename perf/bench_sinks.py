@@ -11,7 +11,9 @@ the sink's gradient included where it has one):
 - fa4_sink: flash_attn.cute.flash_attn_func(..., learnable_sink=sink) where installed.
 
 TFLOP/s count the visible pairs (causal: s(s+1)/2 per head; the window: its band).
-Timing: perf/harness.py's interleaved rounds, median of rounds.
+Timing: perf/harness.py's interleaved rounds (pass_call, time_passes), median of rounds.
+Record keys: <impl>_ms / _tflops, sink_cost (vs no sink), speedup_vs_fa4_sink;
+bwd_ prefixed for the backward.
 
     python3 perf/bench_sinks.py [--rounds 3] [--directions fwd,bwd] [--out DIR]
 """
@@ -43,19 +45,20 @@ def visible_pairs(seqlen: int, window) -> int:
     return sum(min(i, left) + 1 for i in range(seqlen))
 
 
-def impls():
-    """name -> forward(q, k, v, sink, window) of the implementations present."""
+def impls(window):
+    """name -> forward(q, k, v, sink) of the implementations present, for this window."""
     import cute_attn
 
     out = {
-        "cute_attn_sink": lambda q, k, v, sink, w: cute_attn.mha(q, k, v, window_size=w, learnable_sink=sink),
-        "cute_attn": lambda q, k, v, sink, w: cute_attn.mha(q, k, v, window_size=w),
+        "cute_attn_sink": lambda q, k, v, sink: cute_attn.mha(q, k, v, window_size=window, learnable_sink=sink),
+        "cute_attn": lambda q, k, v, sink: cute_attn.mha(q, k, v, window_size=window),
     }
     try:
         from flash_attn.cute import flash_attn_func
 
-        def fa4(q, k, v, sink, w):
-            o = flash_attn_func(q, k, v, causal=w == (-1, 0), window_size=w if w != (-1, 0) else (None, None),
+        def fa4(q, k, v, sink):
+            causal = window == (-1, 0)
+            o = flash_attn_func(q, k, v, causal=causal, window_size=(None, None) if causal else window,
                                 learnable_sink=sink)
             return o[0] if isinstance(o, tuple) else o
 
@@ -65,83 +68,56 @@ def impls():
     return out
 
 
-def run_case(c, rounds, directions):
+def case_tensors(c):
+    """q, k, v (bf16 normals) and a float32 sink per query head."""
     import torch
 
     b, s, h, hk, d = c["batch"], c["seqlen"], c["nheads"], c["nheads_kv"], c["headdim"]
     q, = harness.random_tensors([(b, s, h, d)], torch.bfloat16, "cuda", seed=0)
     k, v = harness.random_tensors([(b, s, hk, d)] * 2, torch.bfloat16, "cuda", seed=1)
-    sink = torch.randn(h, device="cuda", dtype=torch.float32)
-    pairs = visible_pairs(s, c["window"]) * b * h
-    rec = dict(c, errors={})
+    return q, k, v, torch.randn(h, device="cuda", dtype=torch.float32)
+
+
+def measure_case(c, forwards, tensors, roles, rounds, directions, cost_key, **extra):
+    """Time forwards (name -> fn(*tensors)) on case c, forward and backward; roles =
+    (the feature's call, the same call without it, the anchor): the record gets each
+    one's ms and TF/s (visible pairs), the feature's cost and the speedup on the anchor."""
+    mine, base, anchor = roles
+    pairs = visible_pairs(c["seqlen"], c["window"]) * c["batch"] * c["nheads"]
+    rec = dict(c, **extra, errors={})
     for direction in directions:
         prefix = "" if direction == "fwd" else "bwd_"
-        calls = {}
-        for name, fwd in impls().items():
-            try:
-                calls[name] = _timed_call(direction, fwd, q, k, v, sink, c["window"])
-                calls[name]()
-            except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
-                rec["errors"][prefix + name] = harness.reason(exc)
-                calls.pop(name, None)
-        harness.synchronize()
-        timers = {name: (lambda fn=fn: harness.do_bench(fn)) for name, fn in calls.items()}
-        ms_rounds, errors = harness.run_rounds(timers, rounds)
-        rec["errors"].update({prefix + n: harness.reason(e) for n, e in errors.items()})
-        rec[prefix + "ms_rounds"] = ms_rounds
-        flops = 4.0 * d * pairs * (1.0 if direction == "fwd" else 2.5)
-        for name, r in ms_rounds.items():
-            rec[f"{prefix}{name}_ms"] = harness.median_ms(r)
-            rec[f"{prefix}{name}_tflops"] = harness.tflops(flops, rec[f"{prefix}{name}_ms"])
-        mine = rec.get(f"{prefix}cute_attn_sink_ms")
-        if mine and rec.get(f"{prefix}cute_attn_ms"):
-            rec[f"{prefix}sink_cost"] = mine / rec[f"{prefix}cute_attn_ms"] - 1.0
-        if mine and rec.get(f"{prefix}fa4_sink_ms"):
-            rec[f"{prefix}speedup_vs_fa4_sink"] = rec[f"{prefix}fa4_sink_ms"] / mine
+        makers = {name: (lambda fwd=fwd: harness.pass_call(direction, fwd, tensors)) for name, fwd in forwards.items()}
+        ms = harness.time_passes(makers, rounds, rec, prefix)
+        flops = 4.0 * c["headdim"] * pairs * (1.0 if direction == "fwd" else 2.5)
+        for name, t in ms.items():
+            rec[f"{prefix}{name}_ms"] = t
+            rec[f"{prefix}{name}_tflops"] = harness.tflops(flops, t)
+        if mine in ms and base in ms:
+            rec[f"{prefix}{cost_key}"] = ms[mine] / ms[base] - 1.0
+        if mine in ms and anchor in ms:
+            rec[f"{prefix}speedup_vs_{anchor}"] = ms[anchor] / ms[mine]
         line = f"{direction} {c['case']:34s}"
-        for name in ("cute_attn_sink", "cute_attn", "fa4_sink"):
-            if f"{prefix}{name}_ms" in rec:
-                line += f"  {name} {1e3 * rec[prefix + name + '_ms']:.0f} us {rec[prefix + name + '_tflops']:.0f} TF/s"
-        line += f"  sink cost {100 * rec.get(prefix + 'sink_cost', float('nan')):+.1f}%"
-        line += f"  vs fa4 {rec.get(prefix + 'speedup_vs_fa4_sink', float('nan')):.2f}x"
+        for name in roles:
+            if name in ms:
+                line += f"  {name} {1e3 * ms[name]:.0f} us {rec[prefix + name + '_tflops']:.0f} TF/s"
+        line += f"  {cost_key} {100 * rec.get(prefix + cost_key, float('nan')):+.1f}%"
+        line += f"  vs {anchor} {rec.get(prefix + 'speedup_vs_' + anchor, float('nan')):.2f}x"
         log(line)
     for name, why in rec["errors"].items():
         log(f"  {name}: {why}")
     return rec
 
 
-def _timed_call(direction, fwd, q, k, v, sink, window):
-    import torch
-
-    if direction == "fwd":
-        def call():
-            with torch.no_grad():
-                return fwd(q, k, v, sink, window)
-        return call
-    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v, sink))
-    out = fwd(*leaves, window)
-    dout = torch.randn_like(out)
-    # the sink-free call leaves the sink out of its graph: then q, k, v only
-    inputs = leaves if _reaches(out, leaves[3]) else leaves[:3]
-    return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
+def run_case(c, rounds, directions):
+    return measure_case(c, impls(c["window"]), case_tensors(c), ("cute_attn_sink", "cute_attn", "fa4_sink"),
+                        rounds, directions, "sink_cost")
 
 
-def _reaches(out, leaf) -> bool:
-    """Whether leaf is in out's autograd graph."""
-    seen, stack = set(), [out.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if getattr(fn, "variable", None) is leaf:
-            return True
-        stack.extend(f for f, _ in fn.next_functions)
-    return False
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(kind: str, run_case, argv=None) -> int:
+    """The command line of this script and of bench_dropout.py: every case of CASES by
+    run_case(c, rounds, directions), written as results kind `kind`."""
+    p = argparse.ArgumentParser(description=(sys.modules["__main__"].__doc__ or __doc__).splitlines()[0])
     p.add_argument("--directions", type=lambda t: harness.parse_names(t, ("fwd", "bwd")), default=["fwd", "bwd"])
     p.add_argument("--rounds", type=harness.parse_positive_int, default=3)
     p.add_argument("--out", type=Path, default=None)
@@ -156,8 +132,12 @@ def main(argv=None) -> int:
     doc = harness.build_results(device, records, timing=harness.timing_method(args.rounds, "case"), **info)
     slug = harness.device_slug(device)
     for directory in harness.output_dirs(args.out):
-        log("wrote", harness.write_json(doc, harness.result_path(directory, slug, "sinks")))
+        log("wrote", harness.write_json(doc, harness.result_path(directory, slug, kind)))
     return 0
+
+
+def main(argv=None) -> int:
+    return cli("sinks", run_case, argv)
 
 
 if __name__ == "__main__":

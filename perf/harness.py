@@ -549,6 +549,62 @@ def do_bench(fn) -> float:
     return triton_do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
 
+def pass_call(direction: str, fwd: Callable, tensors: Sequence) -> Callable[[], object]:
+    """The call to time for one pass: the forward fwd(*tensors) under no_grad, or the
+    backward alone (one forward keeping its graph, then autograd.grad of a fixed random
+    dout over it, retained), with respect to every tensor the graph reaches (a sink that
+    one implementation ignores is left out for it)."""
+    import torch
+
+    if direction == "fwd":
+        def call():
+            with torch.no_grad():
+                return fwd(*tensors)
+        return call
+    leaves = tuple(t.detach().requires_grad_() for t in tensors)
+    out = fwd(*leaves)
+    require_grad_fn(out)
+    reached = _graph_leaves(out)
+    inputs = tuple(t for t in leaves if t in reached)
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+
+def _graph_leaves(out) -> set:
+    """The leaf tensors out's autograd graph reaches."""
+    found, seen, stack = set(), set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if getattr(fn, "variable", None) is not None:
+            found.add(fn.variable)
+        stack.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+def time_passes(makers: dict[str, Callable[[], Callable]], rounds: int, rec: dict, prefix: str) -> dict[str, float]:
+    """Interleaved rounds over the implementations of one pass: makers maps a name to a
+    function building the call to time (pass_call); the call runs once before timing. A
+    maker or a call that raises is recorded in rec["errors"][prefix + name] and left out.
+    rec[prefix + "ms_rounds"] gets every round; returns {name: median ms}."""
+    calls = {}
+    for name, make in makers.items():
+        try:
+            calls[name] = make()
+            calls[name]()
+        except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
+            rec["errors"][prefix + name] = reason(exc)
+            calls.pop(name, None)
+    synchronize()
+    timers = {name: (lambda fn=fn: do_bench(fn)) for name, fn in calls.items()}
+    ms_rounds, errors = run_rounds(timers, rounds)
+    rec["errors"].update({prefix + n: reason(e) for n, e in errors.items()})
+    rec[prefix + "ms_rounds"] = ms_rounds
+    return {name: median_ms(r) for name, r in ms_rounds.items()}
+
+
 def dout_like(out, dout):
     """dout copied into a tensor laid out like `out` (an SDPA anchor returns a transposed
     view), as the gradient of a real model's next layer would be."""

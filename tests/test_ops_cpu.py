@@ -383,6 +383,15 @@ class CountingBackend:
         return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, example_inputs)
 
 
+def assert_one_graph_calling(backend: CountingBackend, *ops):
+    """One dynamo compile (no graph break under fullgraph, no recompile) whose forward
+    and backward graphs call these cute_attn ops."""
+    assert set(backend.compile_ids) == {(0, 0)}, backend.compile_ids
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for op in ops:
+        assert f"cute_attn.{op}.default" in backend.ops, f"no cute_attn::{op} in the graphs"
+
+
 def _block(x, w_qkv, w_out, heads, mha):
     """qkv projection, causal attention, output projection, residual."""
     b, s, dim = x.shape
@@ -426,9 +435,7 @@ def test_compile_fullgraph_dynamic_no_recompile(stand_in):
                 torch.testing.assert_close(g, g2)
         # one dynamo graph for three sequence lengths: no graph break (fullgraph), no
         # recompile; its forward and backward call the ops
-        assert set(backend.compile_ids) == {(0, 0)}
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-        assert "cute_attn.fwd.default" in backend.ops and "cute_attn.bwd.default" in backend.ops
+        assert_one_graph_calling(backend, "fwd", "bwd")
         assert len(stand_in.fwd_calls) == 6 and len(stand_in.bwd_calls) == 6
     finally:
         torch._dynamo.reset()
