@@ -62,6 +62,12 @@ EMPTY ones are never loaded; the producer, the dQ writer and the consumers walk 
 lists (q_blocks). A score mod rewrites S^T like the softcap and folds its derivative,
 traced from the same body on a masks.Dual, into dP^T - D.
 
+Dropout (the same entry point, AttnFeatures.dropout): the forward's mask again from the
+element's coordinates (blocks/dropout.py), kept as the sign of P^T (no register per
+element): dS^T = P^T (dP^T / (1 - p) - D) where kept, -P^T D where dropped, and dV takes
+P^T / (1 - p) or 0. A sink needs nothing here: it is inside the forward's LSE (its own
+gradient is the launcher's, from D).
+
 Varlen (blocks/seqlen.py): tiles past a sequence's keys exit at once; LSE2, D and dQ_accum
 are padded per sequence to whole query tiles; dK and dV leave row by row (not by TMA) so
 a partial tile never writes into the next sequence.

@@ -47,6 +47,10 @@ Features (config.AttnFeatures, one specialisation each; their values are run-tim
   * varlen: packed sequences located by cu_seqlens (blocks/seqlen.py); tiles past a
     sequence's end exit at once, and O leaves row by row instead of by TMA so that a
     partial tile never writes into the next sequence.
+  * mask / score mods, sinks, dropout (the FlashFwdSm90Mods entry point): a block mask's
+    tile lists and per-element mods (blocks/mods.py); a sink's term joins each row's sum
+    at the end (OnlineSoftmax.finalize_with_sink); dropout zeroes P after the softmax
+    step from Philox bytes (blocks/dropout.py) and scales O by 1 / (1 - p) at the end.
 
 Split-KV (config.FwdConfig.split_kv, the FlashFwdSm90SplitKV entry point; num_splits a
 run-time argument): num_splits CTAs share a query tile, the work tile carries the split
