@@ -1,6 +1,7 @@
-"""Mask and score mods on the GPU (kernels/fwd_sm90.FlashFwdSm90Mods, blocks/mods.py,
-block_mask.py), forward, against the fp32 reference with the same mods applied densely
-(mask_reference.attention_ref_mod).
+"""Mask and score mods, attention sinks and dropout on the GPU (kernels/fwd_sm90.
+FlashFwdSm90Mods, bwd_sm90.FlashBwdSm90Mods, blocks/mods.py, blocks/dropout.py,
+block_mask.py), forward and backward, against the fp32 reference with the same mods,
+sink and dropout mask applied densely (mask_reference.attention_ref_mod).
 
 Rule (as tests/gpu_checks.py for the fixed masks): out within 2x the error of torch doing
 the same computation in the input dtype (QK^T and PV in bf16/fp16, softmax in fp32) plus
