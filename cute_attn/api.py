@@ -198,9 +198,7 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
     # the mods replace the mask kind (then "none"); a sink alone keeps causal/window/softcap
     features, run_args = _features_and_args(causal, window, softcap, scale)
     dropout_p, dropout_seed = dropout
-    features = dataclasses.replace(features, mask_mod=None if mask is None else mask.spec,
-                                   score_mod=None if score is None else score.spec, sink=sink is not None,
-                                   dropout=dropout_p > 0)
+    features = with_extras(features, mask, score, sink is not None, dropout_p > 0)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or (sink is not None and sink.requires_grad))
     if needs_grad and deterministic and has_mods:
@@ -228,6 +226,14 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
         return (out, lse) if return_lse else out
     out, lse = _mods_forward(q, k, v, settings, sink, need_lse=return_lse)
     return (out, lse) if return_lse else out
+
+
+def with_extras(features: AttnFeatures, mask_mod, score_mod, sink: bool, dropout: bool) -> AttnFeatures:
+    """features (the mask kind, softcap: "none" and off under mods) with the mods' specs
+    (masks.Modifier or None), the sink's and dropout's flags: what _run_mods and the
+    custom op (ops._unpack_mods) both compile."""
+    return dataclasses.replace(features, mask_mod=None if mask_mod is None else mask_mod.spec,
+                               score_mod=None if score_mod is None else score_mod.spec, sink=sink, dropout=dropout)
 
 
 def _checked_dropout_p(dropout_p, dropout_seed) -> float:

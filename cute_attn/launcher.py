@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from cute_attn import split_heuristic
+from cute_attn import dropout
 from cute_attn.config import (
     CAPABILITIES,
     DTYPE_OF_INPUT,
@@ -241,11 +242,9 @@ def _fake_dropout_args():
 def _dropout_arguments(device, args: RunArgs):
     """(seed, threshold, inv_keep) of a call for the mods' entry points (stand-ins when
     it has no dropout)."""
-    from cute_attn.dropout import keep_scale, threshold
-
     if args.dropout_seed is None:
         return _unused_cu_seqlens(device), 0, 1.0
-    return args.dropout_seed, threshold(args.dropout_p), keep_scale(args.dropout_p)
+    return args.dropout_seed, dropout.threshold(args.dropout_p), dropout.keep_scale(args.dropout_p)
 
 
 _AUX_DSL_TYPES = {torch.int32: "Int32", torch.int64: "Int64", torch.int16: "Int16", torch.int8: "Int8",

@@ -49,7 +49,6 @@ host time to every call (perf/NOTES.md). Importing this module registers the ops
 imports no DSL; the launcher is imported on the first real call.
 """
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -203,9 +202,7 @@ def _unpack_mods(mods: str, aux, sink, dropout_seed, dropout_p, mask, softmax_sc
         bound.append(template.rebound(aux[start:start + count]))
         start += count
     mask_mod, score_mod = bound
-    features = dataclasses.replace(features, mask_mod=None if mask_mod is None else mask_mod.spec,
-                                   score_mod=None if score_mod is None else score_mod.spec, sink=sink is not None,
-                                   dropout=dropout_seed is not None)
+    features = api.with_extras(features, mask_mod, score_mod, sink is not None, dropout_seed is not None)
     if dropout_seed is not None:
         run_args = run_args._replace(dropout_p=dropout_p, dropout_seed=dropout_seed)
     return features, run_args, mask_mod, score_mod

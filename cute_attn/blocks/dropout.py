@@ -30,6 +30,12 @@ class DropoutArgs(NamedTuple):
     threshold: Int32  # dropout.threshold(p), 0..255: a byte below it drops
     inv_keep: Float32  # dropout.keep_scale(p), the kept probabilities' scale
 
+    @staticmethod
+    def unread(int32_tensor: cute.Tensor) -> "DropoutArgs":
+        """The stand-in of a kernel without dropout (AttnFeatures.dropout False): any
+        int32 tensor it already takes as the seed, never read."""
+        return DropoutArgs(int32_tensor, Int32(0), Float32(1.0))
+
 
 @cute.jit
 def philox(c0: Uint32, c1: Uint32, c2: Uint32, c3: Uint32, k0: Uint32, k1: Uint32):

@@ -251,7 +251,7 @@ class FlashBwdSm90:
         if cutlass.const_expr(sparse is None):
             sparse = (mCuSeqlensQ,) * 4
         if cutlass.const_expr(dropout is None):
-            dropout = DropoutArgs(mCuSeqlensQ, Int32(0), Float32(1.0))
+            dropout = DropoutArgs.unread(mCuSeqlensQ)
         if cutlass.const_expr(aux is None):
             aux = (mCuSeqlensQ,)
         mQ, mK, mV, mdO, mdK, mdV = [bshd_as_sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]

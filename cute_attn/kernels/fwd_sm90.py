@@ -248,7 +248,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(sink is None):
             sink = mLSE
         if cutlass.const_expr(dropout is None):
-            dropout = DropoutArgs(mCuSeqlensQ, Int32(0), Float32(1.0))
+            dropout = DropoutArgs.unread(mCuSeqlensQ)
         if cutlass.const_expr(sparse is None):
             sparse = (mLSE, mLSE, mLSE, mLSE)
         if cutlass.const_expr(aux is None):
