@@ -841,6 +841,57 @@ def run_append(k, v, k_cache, v_cache, cache_seqlens, page_table=None):
     return new_lengths
 
 
+# ----------------------------------------------------------------------------------------
+# LSE combine as a kernel of its own (kernels/combine.py): context parallelism's merge
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CombineKey:
+    out_dtype: str  # "float32", "bfloat16" or "float16"
+    head_dim: int
+    arch: str = ARCH
+
+
+def _fake_combine_args(key: CombineKey):
+    import cutlass
+    import cutlass.cute as cute
+
+    n = _Symbols()
+    o_part, lse_part = _fake_partials(n, key.head_dim)
+    out_type = getattr(cutlass, _dsl_type_name(getattr(torch, key.out_dtype)))
+    align = 16 // getattr(torch, key.out_dtype).itemsize
+    o = cute.runtime.make_fake_tensor(
+        out_type, (n.batch, n.seqlen_q, n.heads, key.head_dim),
+        stride=(*(cute.sym_int64(divisibility=align, symbol=f"o_stride{i}") for i in range(3)), 1), assumed_align=16,
+    )
+    return o_part, lse_part, o, _fake_rowwise(n.batch, n.heads, n.seqlen_q, "lse"), cutlass.Int32(1), _fake_stream()
+
+
+def compile_combine(key: CombineKey, extra_options: str = ""):
+    """Compile the LSE combine; returns f(o_part, lse_part, out, lse, num_splits)."""
+    import cutlass
+
+    from cute_attn.kernels.combine import LseCombine
+
+    kernel = LseCombine(key.head_dim, getattr(cutlass, _dsl_type_name(getattr(torch, key.out_dtype))))
+    return _compile(kernel, _fake_combine_args(key), extra_options, key)
+
+
+def get_combine_kernel(key: CombineKey):
+    return _cached(key, _from_disk_or_compiled(compile_combine, _raw))
+
+
+def run_combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge num_splits = o_part.shape[0] // out.shape[0] partials into out and lse, in
+    place (kernels/combine.py has the layouts; out may be split 0's rows of o_part, lse
+    may not alias lse_part). Validated by the caller: fp32 partials and lse, head_dim
+    contiguous with 16-byte aligned rows, the same (seqlen, heads, head_dim)."""
+    splits = o_part.shape[0] // out.shape[0]
+    fn = get_combine_kernel(CombineKey(str(out.dtype).removeprefix("torch."), out.shape[-1]))
+    fn(o_part, lse_part, out, lse, splits)
+
+
 # device -> the float32 sinks allocated so far (the last is the largest); (device, shape)
 # -> a view of the largest, reused so that a call pays a dict lookup, not a view
 _lse_sinks: dict = {}

@@ -66,7 +66,7 @@ RATIO_LABELS = tuple(label for _, label in RATIO_ANCHORS)
 # What every result file starts with (build_results).
 RESULT_KEYS = ("device", "date", "torch", "cutlass_dsl", "cuda", "records")
 # The results file of each script: <device-slug>-<kind>.json (the dense sweep: one per pass).
-RESULT_KINDS = (*PASSES, "features", "variants", "fp8", "masks", "sinks", "dropout")
+RESULT_KINDS = (*PASSES, "features", "variants", "fp8", "masks", "sinks", "dropout", "cp")
 
 # Host-overhead probe: a problem so small that the GPU finishes before the host issues the
 # next call, so wall time per call is host time (shared/NOTES.md uses the same shape).

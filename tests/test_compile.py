@@ -320,8 +320,8 @@ def test_split_kv_forward_compiles_and_writes_fp32_partials(mask, pack):
 def test_split_forward_merges_its_tiles_in_kernel(dtype, varlen):
     """The split forward's last split per tile merges (fwd_sm90.merge_if_last): one
     acq_rel atomic on the tile's counter between GPU-scope fences, its reset, then the
-    LSE merge (blocks/lse_combine.py). No second kernel: the launcher has no combine to
-    call."""
+    LSE merge (blocks/lse_combine.py). No second kernel (kernels/combine.py is context
+    parallelism's)."""
     import dataclasses
 
     from cute_attn import launcher
@@ -336,7 +336,18 @@ def test_split_forward_merges_its_tiles_in_kernel(dtype, varlen):
     # blocks/lse_combine.py: an lg2 per row's LSE, 16-byte loads of the fp32 partials and
     # 8-byte stores of 4 outputs (2 x 16-bit packed)
     assert "lg2.approx" in ptx and "ld.global.v4.b32" in ptx and "st.global.v2.b32" in ptx
-    assert not hasattr(launcher, "get_combine_kernel")
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_lse_combine_compiles(out_dtype):
+    """kernels/combine.py (context parallelism's merge) for sm_90a: blocks/lse_combine.py's
+    SplitMerge, so 16-byte loads of the fp32 partials, an lg2 per row's LSE, and stores
+    of 4 outputs per 16-byte chunk (16 bytes in fp32, 8 in bf16)."""
+    from cute_attn import launcher
+
+    ptx = launcher.compile_combine(launcher.CombineKey(out_dtype, 128), "--keep-ptx").__ptx__
+    assert ".target sm_90a" in ptx and "lg2.approx" in ptx and "ld.global.v4.b32" in ptx
+    assert ("st.global.v4.b32" if out_dtype == "float32" else "st.global.v2.b32") in ptx
 
 
 @pytest.mark.parametrize("paged", [False, True])

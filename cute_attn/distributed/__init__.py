@@ -1,0 +1,111 @@
+"""Context parallelism: one sequence's attention over the GPUs of a torch.distributed
+group (NCCL on GPUs; gloo runs the same logic on CPUs with the reference standing in).
+
+Each rank holds a shard of the sequence, (batch, seqlen / W, heads, head_dim), in one of
+two layouts (layout.py): "contiguous", or "zigzag" (two chunks per rank, one early and one
+late, so that causal work is equal on every rank). `shard` and `unshard` convert.
+
+Two variants:
+  * ring_mha (ring.py): K/V shards travel around the ring with P2P sends overlapped with
+    the local kernels; partial outputs merge by LSE (kernels/combine.py). Any head count;
+    causal or not, softcap, GQA. Each step moves 2 x heads_kv x head_dim x seqlen / W
+    elements per rank, W - 1 times forward (twice that, plus fp32 gradients, backward).
+  * ulysses_mha (ulysses.py): all-to-all re-shards to whole sequences of heads / W heads,
+    whole attention runs locally, with every feature of `mha` (windows included). Moves
+    about (q + k + v + out) x (W - 1) / W of the local shard per forward, independent of
+    the sequence's length in steps, but needs heads and heads_kv divisible by W and a
+    whole sequence's K/V per rank.
+Which to pick (`choose_variant`): Ulysses when the head counts divide by the world size
+(fewer bytes moved, one kernel launch, every mask); the ring otherwise, or when one rank
+cannot hold the whole sequence of its heads.
+"""
+
+from typing import Optional
+
+import torch
+
+from cute_attn.distributed.layout import LAYOUTS, block_task, check_layout, global_positions, shard, unshard
+from cute_attn.distributed.local import KernelAttention, ReferenceAttention
+
+__all__ = ["ring_mha", "ulysses_mha", "choose_variant", "shard", "unshard", "global_positions", "block_task",
+           "KernelAttention", "ReferenceAttention", "LAYOUTS"]
+
+
+def choose_variant(nheads: int, nheads_kv: int, world_size: int, window_size=(-1, -1)) -> str:
+    """"ulysses" when both head counts divide by world_size, else "ring" (a window needs
+    Ulysses: the ring has no windowed steps yet, so that combination raises)."""
+    if nheads % world_size == 0 and nheads_kv % world_size == 0:
+        return "ulysses"
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size needs ulysses_mha, whose head counts ({nheads}, {nheads_kv}) must divide "
+                         f"by the world size {world_size}")
+    return "ring"
+
+
+def _world_size(group) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cute_attn.distributed needs torch.distributed initialised (init_process_group)")
+    return dist.get_world_size(group)
+
+
+def _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size=(-1, -1)):
+    """Checks that need no communication, before any: the local kernel's (for the kernel
+    backend) and the layout's. Every rank must hold the same shard length (not checked:
+    it would cost a collective per call)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen_local, heads, head_dim)")
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        raise ValueError(f"q, k and v must hold the same shard of the sequence: local lengths "
+                         f"{q.shape[1]}, {k.shape[1]}, {v.shape[1]}")
+    check_layout(layout, q.shape[1])
+    if isinstance(local, KernelAttention):
+        from cute_attn.validation import validate_fwd_inputs, validate_softcap, validate_window_size
+
+        validate_window_size(window_size)
+        validate_fwd_inputs(q, k, v, softmax_scale, validate_softcap(softcap))
+
+
+def ring_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,
+             softmax_scale: Optional[float] = None, softcap: float = 0.0, layout: str = "zigzag",
+             return_lse: bool = False, local=None):
+    """Ring attention over the ranks of `group` (default: the world).
+
+    q (batch, seqlen / W, heads, head_dim) and k, v (batch, seqlen / W, heads_kv,
+    head_dim): this rank's shard of one sequence in `layout` ("zigzag" or "contiguous",
+    cute_attn.distributed.shard makes them); every rank calls with the same shapes.
+    causal follows the global positions. Returns this rank's out (like q; float32 from
+    the reference), or (out, lse) with lse float32 (batch, heads, seqlen / W).
+    Differentiable in q, k, v. local: the per-rank attention (KernelAttention, the
+    default; ReferenceAttention for CPU tests).
+    """
+    _world_size(group)
+    local = KernelAttention() if local is None else local
+    _check_shards(q, k, v, layout, local, softmax_scale, softcap)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    from cute_attn.distributed.ring import Ring, RingAttention
+
+    out, lse = RingAttention.apply(q, k, v, Ring(group), local, layout, bool(causal), scale, float(softcap))
+    return (out, lse) if return_lse else out
+
+
+def ulysses_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,
+                softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
+                layout: str = "zigzag", return_lse: bool = False, local=None):
+    """All-to-all (Ulysses) attention over the ranks of `group`: arguments and results as
+    ring_mha's, plus window_size (global positions). heads and heads_kv must divide by
+    the world size."""
+    world_size = _world_size(group)
+    local = KernelAttention() if local is None else local
+    _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size)
+    for name, heads in (("nheads", q.shape[2]), ("nheads_kv", k.shape[2])):
+        if heads % world_size:
+            raise ValueError(f"ulysses_mha needs {name} ({heads}) divisible by the world size ({world_size}); "
+                             f"ring_mha takes any head count")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    from cute_attn.distributed.ulysses import ulysses_forward
+
+    out, lse = ulysses_forward(q, k, v, group, local, layout, bool(causal), scale, tuple(window_size), float(softcap))
+    return (out, lse) if return_lse else out

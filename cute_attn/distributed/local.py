@@ -1,0 +1,88 @@
+"""The single-GPU attention a context-parallel step runs on its rank, behind one small
+interface so that the ring and all-to-all logic can be tested on CPUs (gloo) with the fp32
+reference standing in for the kernels:
+
+  block_forward(q, k, v, causal, scale, softcap) -> (out, lse)
+      attention of q over this block of keys alone (out normalised within the block, lse
+      float32 (batch, heads, seqlen_q)): a partial for the LSE merge.
+  block_backward(dout, q, k, v, out, lse, causal, scale, softcap) -> (dq, dk, dv)
+      this block's share of the gradients, given the whole row's out and lse (the merged
+      ones): P = exp(S - lse) is then the block's slice of the full softmax, and
+      dS = P (dP - rowsum(dO * O)) its slice of the full dS.
+  merge(o_part, lse_part, out, lse)
+      the LSE merge of splits stacked on the batch mode (kernels/combine.py's layout).
+  attention(q, k, v, causal, scale, window_size, softcap) -> (out, lse)
+      whole attention under autograd (the all-to-all variant's local call).
+"""
+
+import torch
+
+from cute_attn import reference
+
+
+class KernelAttention:
+    """cute_attn's kernels (CUDA tensors, 16-bit)."""
+
+    def block_forward(self, q, k, v, causal, scale, softcap):
+        from cute_attn import api
+
+        return api.mha(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap, return_lse=True)
+
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale, softcap):
+        from cute_attn import api, launcher
+        from cute_attn.validation import prepare_dout
+
+        features, args = api._features_and_args(causal, (-1, -1), softcap, scale)
+        return launcher.run_bwd(prepare_dout(dout, out), q, k, v, out, lse, features, args)
+
+    def merge(self, o_part, lse_part, out, lse):
+        from cute_attn import launcher
+
+        launcher.run_combine(o_part, lse_part, out, lse)
+
+    def attention(self, q, k, v, causal, scale, window_size, softcap):
+        from cute_attn import api
+
+        return api.mha(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size, softcap=softcap,
+                       return_lse=True)
+
+
+class ReferenceAttention:
+    """The float32 reference (cute_attn.reference), on any device: the stand-in of the
+    CPU tests. Outputs float32 whatever the input dtype."""
+
+    def block_forward(self, q, k, v, causal, scale, softcap):
+        return reference.attention_ref(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap)
+
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale, softcap):
+        group = q.shape[2] // k.shape[2]
+        qf, kf, vf = q.float(), k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
+        raw = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+        scores = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
+        visible = reference.visible_keys(q.shape[1], k.shape[1], causal=causal, device=q.device)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        p = torch.exp(scores - lse.float()[..., None])  # (b, h, q, k): the block's slice of the softmax
+        do = dout.float()
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
+        d = (do * out.float()).sum(-1).transpose(1, 2)  # (b, h, q): rowsum(dO * O) of the whole row
+        ds = p * (dp - d[..., None])
+        if softcap > 0:
+            ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+        b, sk, hk, hd = k.shape
+        return dq, dk.view(b, sk, hk, group, hd).sum(3), dv.view(b, sk, hk, group, hd).sum(3)
+
+    def merge(self, o_part, lse_part, out, lse):
+        batch = out.shape[0]
+        splits = o_part.shape[0] // batch
+        merged, merged_lse = reference.combine_splits(o_part.view(splits, batch, *o_part.shape[1:]),
+                                                      lse_part.view(splits, batch, *lse_part.shape[1:]))
+        out.copy_(merged)
+        lse.copy_(merged_lse)
+
+    def attention(self, q, k, v, causal, scale, window_size, softcap):
+        return reference.attention_ref(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size,
+                                       softcap=softcap)

@@ -1,0 +1,123 @@
+"""Ring attention: each rank keeps its shard of the queries and passes the keys and values
+around the ring of the group, one shard per step, so after W steps (W = world size)
+every query has met every key (layout.py says which part of each block a step computes).
+
+Forward, per step: start sending the K/V shard held now to the next rank (and receiving
+the previous rank's), run the local attention on the held shard, wait for the exchange.
+The transfer (NCCL's own stream) overlaps the kernel. Partials merge into a running
+(out, lse) in fp32 with the LSE combine (kernels/combine.py, local.py's merge), in place:
+two fp32 slots, the running result and the step's partial, whatever W.
+
+Backward, per step: the same K/V pass, plus each K/V shard's gradient accumulators (fp32)
+travelling with it: a rank adds its block's dK, dV to the accumulators it received and
+sends them on, so after W sends they are home. dQ stays local. Each step recomputes the
+block from the merged out and lse (local.py: block_backward).
+"""
+
+import torch
+import torch.distributed as dist
+
+from cute_attn.distributed.layout import block_task
+
+
+class Ring:
+    """Point-to-point exchange with the ring's neighbours in one batched P2P call."""
+
+    def __init__(self, group):
+        self.group = group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
+
+    def start(self, send: torch.Tensor):
+        """Send to the next rank, receive the same shape from the previous one; returns
+        (the receive buffer, the pending works)."""
+        recv = torch.empty_like(send)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group),
+                                        dist.P2POp(dist.irecv, recv, self.prev, self.group)])
+        return recv, works
+
+    @staticmethod
+    def wait(works):
+        for work in works:
+            work.wait()
+
+
+def ring_forward(q, k, v, ring: Ring, local, layout: str, causal: bool, scale: float, softcap: float):
+    """(out, lse) of this rank's queries over the whole sequence: out in q's dtype (the
+    reference's float32 stays float32), lse float32 (batch, heads, seqlen_local)."""
+    batch, seqlen, heads, head_dim = q.shape
+    kv = torch.stack([k, v])  # one message per step
+    # slot 0 (rows 0..batch-1): the running result; slot 1: the step's partial
+    o_part = q.new_empty((2 * batch, seqlen, heads, head_dim), dtype=torch.float32)
+    lse_part = q.new_empty((2 * batch, heads, seqlen), dtype=torch.float32)
+    lse_merged = q.new_empty((batch, heads, seqlen), dtype=torch.float32)
+    for step in range(ring.world_size):
+        pending = ring.start(kv) if step + 1 < ring.world_size else None
+        task = block_task(layout, causal, ring.rank, (ring.rank - step) % ring.world_size, seqlen)
+        if task is not None:
+            rows = task.q_rows
+            out, lse = local.block_forward(q[:, rows], kv[0][:, task.k_rows], kv[1][:, task.k_rows], task.causal,
+                                           scale, softcap)
+            if step == 0:  # the diagonal block: every row, the first partial
+                o_part[:batch].copy_(out)
+                lse_part[:batch].copy_(lse)
+            else:
+                o_part[batch:, rows].copy_(out)
+                lse_part[batch:, :, rows].copy_(lse)
+                local.merge(o_part[:, rows], lse_part[:, :, rows], o_part[:batch, rows], lse_merged[:, :, rows])
+                lse_part[:batch, :, rows].copy_(lse_merged[:, :, rows])
+        if pending is not None:
+            kv, works = pending
+            ring.wait(works)
+    out_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
+    return o_part[:batch].to(out_dtype), lse_part[:batch].clone()
+
+
+def ring_backward(dout, q, k, v, out, lse, ring: Ring, local, layout: str, causal: bool, scale: float,
+                  softcap: float):
+    """(dq, dk, dv) of this rank's shards, in their dtypes."""
+    seqlen = q.shape[1]
+    kv = torch.stack([k, v])
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dkv = torch.zeros_like(kv, dtype=torch.float32)  # the held K/V shard's accumulators
+    dkv_pending = None
+    for step in range(ring.world_size):
+        kv_pending = ring.start(kv) if step + 1 < ring.world_size else None
+        task = block_task(layout, causal, ring.rank, (ring.rank - step) % ring.world_size, seqlen)
+        grads = None
+        if task is not None:
+            rows, keys = task.q_rows, task.k_rows
+            grads = local.block_backward(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+                                         lse[:, :, rows], task.causal, scale, softcap)
+        if dkv_pending is not None:  # the accumulators of the shard now held, from the previous rank
+            dkv, works = dkv_pending
+            ring.wait(works)
+        if grads is not None:
+            dq[:, rows] += grads[0]
+            dkv[0][:, keys] += grads[1]
+            dkv[1][:, keys] += grads[2]
+        dkv_pending = ring.start(dkv)
+        if kv_pending is not None:
+            kv, works = kv_pending
+            ring.wait(works)
+    dkv, works = dkv_pending  # this rank's own shard's, after a full turn
+    ring.wait(works)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, local, layout, causal, scale, softcap):
+        out, lse = ring_forward(q, k, v, ring, local, layout, causal, scale, softcap)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = (ring, local, layout, causal, scale, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.settings)
+        return dq, dk, dv, None, None, None, None, None, None

@@ -1,0 +1,86 @@
+"""All-to-all (Ulysses) attention: re-shard q, k, v from "a part of the sequence, every
+head" to "the whole sequence, a part of the heads" with one all-to-all each, run whole
+attention locally (every mask and feature of `mha`: windows, softcap, GQA), and re-shard
+the output back. The backward is the same exchanges in reverse around mha's own backward.
+
+Rank r gets heads [r H/W, (r + 1) H/W) (and the matching KV heads: a KV head's query
+heads stay together when both head counts divide by W). The gathered sequence arrives
+in rank order; for the zigzag layout it is permuted back into the global order before
+attention (and the output's gradient likewise), so causal masks see true positions.
+"""
+
+import torch
+import torch.distributed as dist
+
+from cute_attn.distributed.layout import global_positions
+
+
+def _rank_order(seqlen: int, world_size: int, layout: str, device) -> torch.Tensor:
+    """Global position of each row of the rank-order concatenation of the shards."""
+    return torch.cat([global_positions(seqlen, world_size, layout, r) for r in range(world_size)]).to(device)
+
+
+def seq_to_heads(x: torch.Tensor, group, layout: str) -> torch.Tensor:
+    """(batch, seqlen / W, heads, ...) sequence shard -> (batch, seqlen, heads / W, ...)."""
+    world_size = dist.get_world_size(group)
+    batch, local_len, heads = x.shape[:3]
+    rest = x.shape[3:]
+    # split the heads into W groups, group j to rank j
+    send = x.reshape(batch, local_len, world_size, heads // world_size, *rest).movedim(2, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[j]: rank j's sequence shard of this rank's heads
+    gathered = recv.movedim(0, 1).reshape(batch, world_size * local_len, heads // world_size, *rest)
+    if layout == "contiguous":
+        return gathered
+    order = _rank_order(world_size * local_len, world_size, layout, x.device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=x.device)
+    return gathered.index_select(1, inverse)
+
+
+def heads_to_seq(x: torch.Tensor, group, layout: str) -> torch.Tensor:
+    """The inverse of seq_to_heads: (batch, seqlen, heads / W, ...) -> (batch, seqlen / W, heads, ...)."""
+    world_size = dist.get_world_size(group)
+    batch, seqlen, local_heads = x.shape[:3]
+    rest = x.shape[3:]
+    if layout != "contiguous":
+        x = x.index_select(1, _rank_order(seqlen, world_size, layout, x.device))
+    local_len = seqlen // world_size
+    send = x.reshape(batch, world_size, local_len, local_heads, *rest).movedim(1, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[j]: this rank's sequence shard of rank j's heads
+    return recv.movedim(0, 2).reshape(batch, local_len, world_size * local_heads, *rest)
+
+
+class SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, layout):
+        ctx.settings = (group, layout)
+        return seq_to_heads(x, group, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_seq(grad.contiguous(), *ctx.settings), None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, layout):
+        ctx.settings = (group, layout)
+        return heads_to_seq(x, group, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_heads(grad.contiguous(), *ctx.settings), None, None
+
+
+def ulysses_forward(q, k, v, group, local, layout, causal, scale, window_size, softcap):
+    """(out, lse) of this rank's shard, differentiable in q, k, v through the exchanges."""
+    qh, kh, vh = (SeqToHeads.apply(t, group, layout) for t in (q, k, v))
+    out, lse = local.attention(qh, kh, vh, causal, scale, window_size, softcap)
+    out = HeadsToSeq.apply(out, group, layout)
+    # lse (batch, heads / W, seqlen) through the same exchange as a (batch, seqlen, heads / W) tensor
+    lse = heads_to_seq(lse.detach().transpose(1, 2).contiguous(), group, layout).transpose(1, 2).contiguous()
+    return out, lse

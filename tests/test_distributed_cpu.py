@@ -1,0 +1,122 @@
+"""Context parallelism on CPUs: the ring and all-to-all logic with gloo in 2-4 processes,
+the fp32 reference standing in for the kernels (same LSE merge interface), against
+single-process attention, forward and backward (tests/distributed_checks.py); and the
+layout's step plan checked exhaustively against the global causal mask."""
+
+import itertools
+
+import pytest
+import torch
+
+from cute_attn import distributed as cp
+from cute_attn.distributed.layout import block_task, global_positions
+from distributed_checks import Case, spawn
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_steps_cover_each_visible_pair_once(world_size, layout, causal):
+    """Over the W steps of a rank, the (query, key) pairs the tasks compute, mapped to
+    global positions, are exactly the pairs the mask lets through, each once."""
+    local_len = 6
+    seqlen = local_len * world_size
+    for rank in range(world_size):
+        count = torch.zeros(local_len, seqlen, dtype=torch.int32)
+        q_pos = global_positions(seqlen, world_size, layout, rank)
+        for src in range(world_size):
+            k_pos = global_positions(seqlen, world_size, layout, src)
+            task = block_task(layout, causal, rank, src, local_len)
+            if task is None:
+                continue
+            for i, j in itertools.product(range(local_len)[task.q_rows], range(local_len)[task.k_rows]):
+                local_i, local_j = i - task.q_rows.start, j - task.k_rows.start
+                if task.causal and local_j > local_i:
+                    continue
+                count[i, k_pos[j]] += 1
+        visible = q_pos[:, None] >= torch.arange(seqlen)[None, :] if causal else torch.ones(local_len, seqlen,
+                                                                                             dtype=torch.bool)
+        assert torch.equal(count, visible.int()), (rank, count)
+
+
+def test_zigzag_balances_causal_work():
+    """Every rank computes the same number of causal pairs with zigzag (not contiguous)."""
+    def pairs(layout, rank, world_size, local_len=8):
+        total = 0
+        for src in range(world_size):
+            task = block_task(layout, True, rank, src, local_len)
+            if task is not None:
+                rows = task.q_rows.stop - task.q_rows.start
+                keys = task.k_rows.stop - task.k_rows.start
+                total += rows * (rows + 1) // 2 if task.causal else rows * keys
+        return total
+
+    assert len({pairs("zigzag", r, 4) for r in range(4)}) == 1
+    assert len({pairs("contiguous", r, 4) for r in range(4)}) == 4
+
+
+def test_shard_unshard_round_trip():
+    x = torch.randn(2, 24, 3, 4)
+    for layout, world_size in (("contiguous", 3), ("zigzag", 3), ("zigzag", 4)):
+        shards = [cp.shard(x, r, world_size, layout) for r in range(world_size)]
+        assert torch.equal(cp.unshard(shards, layout), x)
+    assert torch.equal(cp.shard(x, 1, 3, "zigzag")[:, :4], x[:, 4:8])
+    assert torch.equal(cp.shard(x, 1, 3, "zigzag")[:, 4:], x[:, 16:20])
+    with pytest.raises(ValueError, match="split evenly"):
+        cp.shard(x, 0, 5, "contiguous")
+    with pytest.raises(ValueError, match="layout"):
+        cp.shard(x, 0, 2, "striped")
+
+
+def test_choose_variant():
+    assert cp.choose_variant(32, 8, 4) == "ulysses"
+    assert cp.choose_variant(32, 8, 16) == "ring"
+    assert cp.choose_variant(6, 6, 4) == "ring"
+    with pytest.raises(ValueError, match="window_size"):
+        cp.choose_variant(6, 6, 4, window_size=(16, 0))
+
+
+def test_needs_an_initialised_group():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cp.ring_mha(q, q, q)
+
+
+_RING_CASES = [
+    Case("ring", "zigzag", True),
+    Case("ring", "contiguous", True),
+    Case("ring", "zigzag", False, heads_kv=4),
+    Case("ring", "contiguous", True, softcap=5.0, heads_kv=1),
+]
+_ULYSSES_CASES = [
+    Case("ulysses", "zigzag", True),
+    Case("ulysses", "contiguous", False),
+    Case("ulysses", "zigzag", True, window=(5, 3), softcap=4.0),
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_and_ulysses_match_single_process(world_size, tmp_path):
+    """Forward (out, lse) and backward (dq, dk, dv) of every rank's shard against the
+    whole sequence's attention in one process, fp32, gloo. Ulysses at 4 ranks needs the
+    head counts divisible by 4: its cases there use 4 KV heads."""
+    cases = list(_RING_CASES)
+    for case in _ULYSSES_CASES:
+        cases.append(case if case.heads_kv % world_size == 0 else
+                     Case(**{**case.__dict__, "heads_kv": 4}))
+    spawn(world_size, cases, on_gpu=False, tmp_path=tmp_path)
+
+
+def test_ring_three_ranks(tmp_path):
+    """An odd ring (zigzag: 6 chunks)."""
+    spawn(3, [Case("ring", "zigzag", True, seqlen=36), Case("ring", "contiguous", True, seqlen=36)], on_gpu=False,
+          tmp_path=tmp_path)
+
+
+def test_a_wrong_merge_is_caught(tmp_path):
+    """The check has teeth: a merge that drops the step's partial fails it."""
+    import torch.multiprocessing as mp
+
+    with pytest.raises(mp.ProcessRaisedException, match="max error"):
+        spawn(2, [Case("ring", "zigzag", True, batch=1)], on_gpu=False, tmp_path=tmp_path,
+              broken_merge=True)
