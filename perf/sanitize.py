@@ -119,6 +119,8 @@ CASES = (
     Case("sink-dropout-causal-gqa", nheads=4, nheads_kv=2, causal=True, extra={"sink": True, "dropout": 0.2}),
     Case("mods-bd3lm-dropout-hd64", head_dim=64, seqlen_q=302, seqlen_k=302, extra={"mods": "bd3lm", "dropout": 0.1}),
     Case("dropout-hd256-window", head_dim=256, window_size=(64, 32), extra={"dropout": 0.3}),
+    # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
+    Case("lse-combine", batch=2, seqlen_q=300, nheads=3, backward=False, extra={"combine": 3}),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -198,6 +200,9 @@ def run_case(case):
     if case.kvcache:
         run_kvcache_case(case, randn)
         return
+    if case.extra.get("combine"):
+        run_combine_case(case, gen)
+        return
     if case.extra.get("mods"):
         kwargs = mod_kwargs(case, gen)
     if case.extra.get("sink"):
@@ -259,6 +264,25 @@ def mod_kwargs(case, gen):
         slopes = torch.rand(case.nheads, device="cuda", generator=gen)
         return dict(mask_mod=masks.document(ids, causal=True), score_mod=masks.alibi(slopes))
     return dict(mask_mod=lambda b, h, q, kv: (q % 7 != 3) & (kv <= q))
+
+
+def run_combine_case(case, gen):
+    """The LSE combine into a fresh bf16 out, then in place into split 0 (fp32), as the
+    ring's running merge does."""
+    import torch
+
+    from cute_attn import launcher
+
+    splits, b, s, h, d = case.extra["combine"], case.batch, case.seqlen_q, case.nheads, case.head_dim
+    o_part = torch.randn(splits * b, s, h, d, device="cuda", generator=gen)
+    lse_part = torch.randn(splits * b, h, s, device="cuda", generator=gen)
+    out = torch.full((b, s, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((b, h, s), float("nan"), device="cuda")
+    launcher.run_combine(o_part, lse_part, out, lse)
+    launcher.run_combine(o_part, lse_part, o_part[:b], lse)
+    if out.isnan().any() or lse.isnan().any():
+        raise AssertionError(f"{case.name}: out or lse has elements the combine never wrote")
+    torch.cuda.synchronize()
 
 
 def run_kvcache_case(case, randn):

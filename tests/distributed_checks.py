@@ -52,11 +52,10 @@ def _parallel(case: Case, q, k, v, dout, rank, world_size, local):
     from cute_attn import distributed as cp
 
     shards = [cp.shard(t, rank, world_size, case.layout).requires_grad_() for t in (q, k, v)]
-    kwargs = dict(causal=case.causal, softcap=case.softcap, layout=case.layout, return_lse=True, local=local)
-    if case.variant == "ring":
-        out, lse = cp.ring_mha(*shards, **kwargs)
-    else:
-        out, lse = cp.ulysses_mha(*shards, window_size=case.window, **kwargs)
+    kwargs = dict(causal=case.causal, window_size=case.window, softcap=case.softcap, layout=case.layout,
+                  return_lse=True, local=local)
+    fn = cp.ring_mha if case.variant == "ring" else cp.ulysses_mha
+    out, lse = fn(*shards, **kwargs)
     out.backward(cp.shard(dout, rank, world_size, case.layout))
     return (out.detach(), lse, *(t.grad for t in shards))
 

@@ -69,11 +69,67 @@ def test_shard_unshard_round_trip():
 
 
 def test_choose_variant():
-    assert cp.choose_variant(32, 8, 4) == "ulysses"
-    assert cp.choose_variant(32, 8, 16) == "ring"
-    assert cp.choose_variant(6, 6, 4) == "ring"
+    assert cp.choose_variant(32, 8, 4, 65536) == "ulysses"
+    assert cp.choose_variant(32, 8, 16, 65536) == "ring"
+    assert cp.choose_variant(6, 6, 4, 65536) == "ring"
+    assert cp.choose_variant(32, 8, 4, 65536, window_size=(4096, 0)) == "ring"
+    assert cp.choose_variant(32, 8, 4, 1024, window_size=(4096, 0)) == "ulysses"
+
+
+def test_halo_fetches_only_the_shards_a_window_reaches(monkeypatch):
+    """halo.Halo's plan without a process group: the shards each rank reads, and the
+    kernel window that makes bottom-right alignment over them the global window."""
+    import torch.distributed as dist
+
+    from cute_attn.distributed.halo import Halo
+
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    halo = Halo(object(), 100, (30, 0))  # rank 2 of 4, causal window of 30 back
+    assert (halo.first, halo.last, halo.ka, halo.kb) == (1, 2, 170, 300)
+    assert halo.kernel_window() == (30, 0) and halo.readers() == [3]
+    halo = Halo(object(), 100, (150, 20))
+    assert (halo.first, halo.last, halo.ka, halo.kb) == (0, 3, 50, 320)
+    assert halo.kernel_window() == (170, 0) and halo.readers() == [1, 3]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this process alone."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_bad_arguments_raise_before_any_exchange(one_rank_group):
+    q = torch.randn(1, 8, 2, 16)
+    local = cp.ReferenceAttention()
+    with pytest.raises(ValueError, match="contiguous"):
+        cp.ring_mha(q, q, q, window_size=(3, 0), local=local)
+    with pytest.raises(ValueError, match="even"):
+        cp.ring_mha(q[:, :7], q[:, :7], q[:, :7], causal=True, local=local)
+    with pytest.raises(ValueError, match="same shard"):
+        cp.ring_mha(q, q[:, :4], q[:, :4], layout="contiguous", local=local)
     with pytest.raises(ValueError, match="window_size"):
-        cp.choose_variant(6, 6, 4, window_size=(16, 0))
+        cp.ring_mha(q, q, q, window_size=(-3, 0), layout="contiguous", local=local)
+    with pytest.raises(TypeError, match="bfloat16"):
+        cp.ring_mha(q, q, q)  # the kernels' checks: float32 is not theirs
+
+
+def test_one_rank_is_plain_attention(one_rank_group):
+    """World size 1: the ring is one diagonal step, the halo one windowed call."""
+    from cute_attn import reference
+
+    q, k, v = (torch.randn(2, 10, 2, 16) for _ in range(3))
+    local = cp.ReferenceAttention()
+    for kwargs in ({"causal": True}, {"window_size": (3, 2), "layout": "contiguous"}):
+        out, lse = cp.ring_mha(q, k, v, return_lse=True, local=local, **kwargs)
+        want, want_lse = reference.attention_ref(q, k, v, **{key: val for key, val in kwargs.items()
+                                                              if key != "layout"})
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(lse, want_lse)
 
 
 def test_needs_an_initialised_group():
@@ -87,6 +143,10 @@ _RING_CASES = [
     Case("ring", "contiguous", True),
     Case("ring", "zigzag", False, heads_kv=4),
     Case("ring", "contiguous", True, softcap=5.0, heads_kv=1),
+    Case("ring", "contiguous", True, window=(5, 0)),  # a halo: neighbours only
+    Case("ring", "contiguous", False, window=(30, 7)),  # reaches several shards back
+    Case("ring", "contiguous", False, window=(-1, 3)),
+    Case("ring", "contiguous", False, window=(0, 0)),
 ]
 _ULYSSES_CASES = [
     Case("ulysses", "zigzag", True),

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_combine_kernel_matches_reference(splits, out_dtype):
     """kernels/combine.py: random partials, some splits with rows that saw no key (lse
-    -inf, NaN partials: weight 0), whole rows no split saw (out 0, lse -inf), 300 rows
-    (not a multiple of its 128-row tile), poisoned outputs."""
+    -inf and, as the kernels write such rows, partial 0: weight 0), whole rows no split
+    saw (out 0, lse -inf), 300 rows (not a multiple of its 128-row tile), poisoned
+    outputs."""
     from cute_attn import launcher, reference
 
     batch, seqlen, heads, head_dim = 2, 300, 3, 128
@@ -25,8 +26,9 @@ def test_combine_kernel_matches_reference(splits, out_dtype):
     lse_part = torch.randn(splits * batch, heads, seqlen, device="cuda", generator=g) * 4
     unseen = torch.rand(splits * batch, heads, seqlen, device="cuda", generator=g) < 0.3
     lse_part[unseen] = float("-inf")
-    o_part.masked_fill_(unseen.transpose(1, 2)[..., None], float("nan"))
+    o_part.masked_fill_(unseen.transpose(1, 2)[..., None], 0.0)
     lse_part[:, 1, 7] = float("-inf")  # row 7 of head 1: no split saw a key
+    o_part[:, 7, 1] = 0.0
     out = torch.full((batch, seqlen, heads, head_dim), float("nan"), device="cuda", dtype=out_dtype)
     lse = torch.full((batch, heads, seqlen), float("nan"), device="cuda")
     launcher.run_combine(o_part, lse_part, out, lse)
@@ -60,6 +62,8 @@ _CASES = [
     Case("ring", "zigzag", True, batch=1, seqlen=1000, heads=4, heads_kv=2, head_dim=128),
     Case("ring", "contiguous", True, batch=2, seqlen=520, heads=2, heads_kv=2, head_dim=64),
     Case("ring", "zigzag", False, batch=1, seqlen=776, heads=4, heads_kv=4, head_dim=128, softcap=30.0),
+    Case("ring", "contiguous", True, batch=1, seqlen=1000, heads=4, heads_kv=2, head_dim=128, window=(300, 0)),
+    Case("ring", "contiguous", False, batch=1, seqlen=1000, heads=2, heads_kv=1, head_dim=64, window=(700, 90)),
     Case("ulysses", "zigzag", True, batch=1, seqlen=1000, heads=4, heads_kv=2, head_dim=128),
     Case("ulysses", "contiguous", True, batch=1, seqlen=600, heads=2, heads_kv=2, head_dim=64, window=(100, 0)),
 ]

@@ -10,14 +10,20 @@ Two variants:
     the local kernels; partial outputs merge by LSE (kernels/combine.py). Any head count;
     causal or not, softcap, GQA. Each step moves 2 x heads_kv x head_dim x seqlen / W
     elements per rank, W - 1 times forward (twice that, plus fp32 gradients, backward).
+    With a sliding window (contiguous layout) the ranks the window does not reach are
+    skipped: each rank fetches only the neighbouring shards its window covers and runs
+    one windowed call (halo.py).
   * ulysses_mha (ulysses.py): all-to-all re-shards to whole sequences of heads / W heads,
     whole attention runs locally, with every feature of `mha` (windows included). Moves
     about (q + k + v + out) x (W - 1) / W of the local shard per forward, independent of
     the sequence's length in steps, but needs heads and heads_kv divisible by W and a
     whole sequence's K/V per rank.
-Which to pick (`choose_variant`): Ulysses when the head counts divide by the world size
-(fewer bytes moved, one kernel launch, every mask); the ring otherwise, or when one rank
-cannot hold the whole sequence of its heads.
+Which to pick (`choose_variant`): a window shorter than a shard, the ring (its halo moves
+one or two neighbours' K/V, less than Ulysses' all-to-alls); otherwise Ulysses when the
+head counts divide by the world size (fewer bytes moved, one kernel launch per pass); the
+ring otherwise, or when one rank cannot hold the whole sequence of its heads. Measured
+(perf/results/*-cp.json, 2 x H100, 256K causal): both at 0.96-0.98 forward+backward
+parallel efficiency.
 """
 
 from typing import Optional
@@ -31,14 +37,15 @@ __all__ = ["ring_mha", "ulysses_mha", "choose_variant", "shard", "unshard", "glo
            "KernelAttention", "ReferenceAttention", "LAYOUTS"]
 
 
-def choose_variant(nheads: int, nheads_kv: int, world_size: int, window_size=(-1, -1)) -> str:
-    """"ulysses" when both head counts divide by world_size, else "ring" (a window needs
-    Ulysses: the ring has no windowed steps yet, so that combination raises)."""
+def choose_variant(nheads: int, nheads_kv: int, world_size: int, seqlen_local: int,
+                   window_size=(-1, -1)) -> str:
+    """The module docstring's rule: "ring" for a window within one shard's length on
+    either side, else "ulysses" when both head counts divide by world_size, else "ring"."""
+    left, right = window_size
+    if 0 <= left <= seqlen_local and 0 <= right <= seqlen_local:
+        return "ring"
     if nheads % world_size == 0 and nheads_kv % world_size == 0:
         return "ulysses"
-    if tuple(window_size) != (-1, -1):
-        raise ValueError(f"window_size needs ulysses_mha, whose head counts ({nheads}, {nheads_kv}) must divide "
-                         f"by the world size {world_size}")
     return "ring"
 
 
@@ -61,33 +68,46 @@ def _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size=(-
         raise ValueError(f"q, k and v must hold the same shard of the sequence: local lengths "
                          f"{q.shape[1]}, {k.shape[1]}, {v.shape[1]}")
     check_layout(layout, q.shape[1])
-    if isinstance(local, KernelAttention):
-        from cute_attn.validation import validate_fwd_inputs, validate_softcap, validate_window_size
+    from cute_attn.validation import validate_fwd_inputs, validate_softcap, validate_window_size
 
-        validate_window_size(window_size)
+    window_size = validate_window_size(window_size)
+    if isinstance(local, KernelAttention):
         validate_fwd_inputs(q, k, v, softmax_scale, validate_softcap(softcap))
+    return window_size
 
 
 def ring_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,
-             softmax_scale: Optional[float] = None, softcap: float = 0.0, layout: str = "zigzag",
-             return_lse: bool = False, local=None):
+             softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
+             layout: str = "zigzag", return_lse: bool = False, local=None):
     """Ring attention over the ranks of `group` (default: the world).
 
     q (batch, seqlen / W, heads, head_dim) and k, v (batch, seqlen / W, heads_kv,
     head_dim): this rank's shard of one sequence in `layout` ("zigzag" or "contiguous",
     cute_attn.distributed.shard makes them); every rank calls with the same shapes.
-    causal follows the global positions. Returns this rank's out (like q; float32 from
+    causal and window_size (left, right; -1 unbounded) follow the global positions; a
+    window other than causal's needs layout="contiguous" (halo.py). Returns this rank's
+    out (like q; float32 from
     the reference), or (out, lse) with lse float32 (batch, heads, seqlen / W).
     Differentiable in q, k, v. local: the per-rank attention (KernelAttention, the
     default; ReferenceAttention for CPU tests).
     """
     _world_size(group)
     local = KernelAttention() if local is None else local
-    _check_shards(q, k, v, layout, local, softmax_scale, softcap)
+    left, right = _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    from cute_attn.distributed.ring import Ring, RingAttention
+    right = 0 if causal else right
+    if left < 0 and right in (-1, 0):  # no window, or causal's: the ring
+        from cute_attn.distributed.ring import Ring, RingAttention
 
-    out, lse = RingAttention.apply(q, k, v, Ring(group), local, layout, bool(causal), scale, float(softcap))
+        out, lse = RingAttention.apply(q, k, v, Ring(group), local, layout, right == 0, scale, float(softcap))
+    else:
+        if layout != "contiguous":
+            raise ValueError(f"a sliding window across ranks needs layout='contiguous' (got {layout!r}): its "
+                             "ranks then exchange only neighbouring shards")
+        from cute_attn.distributed.halo import Halo, HaloAttention
+
+        out, lse = HaloAttention.apply(q, k, v, Halo(group, q.shape[1], (left, right)), local, scale,
+                                       float(softcap))
     return (out, lse) if return_lse else out
 
 
@@ -99,7 +119,7 @@ def ulysses_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *
     the world size."""
     world_size = _world_size(group)
     local = KernelAttention() if local is None else local
-    _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size)
+    window_size = _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size)
     for name, heads in (("nheads", q.shape[2]), ("nheads_kv", k.shape[2])):
         if heads % world_size:
             raise ValueError(f"ulysses_mha needs {name} ({heads}) divisible by the world size ({world_size}); "

@@ -2,10 +2,11 @@
 interface so that the ring and all-to-all logic can be tested on CPUs (gloo) with the fp32
 reference standing in for the kernels:
 
-  block_forward(q, k, v, causal, scale, softcap) -> (out, lse)
+  block_forward(q, k, v, causal, scale, softcap, window=(-1, -1)) -> (out, lse)
       attention of q over this block of keys alone (out normalised within the block, lse
-      float32 (batch, heads, seqlen_q)): a partial for the LSE merge.
-  block_backward(dout, q, k, v, out, lse, causal, scale, softcap) -> (dq, dk, dv)
+      float32 (batch, heads, seqlen_q)): a partial for the LSE merge. Masks align
+      bottom-right, as mha's.
+  block_backward(dout, q, k, v, out, lse, causal, scale, softcap, window=(-1, -1)) -> (dq, dk, dv)
       this block's share of the gradients, given the whole row's out and lse (the merged
       ones): P = exp(S - lse) is then the block's slice of the full softmax, and
       dS = P (dP - rowsum(dO * O)) its slice of the full dS.
@@ -23,16 +24,17 @@ from cute_attn import reference
 class KernelAttention:
     """cute_attn's kernels (CUDA tensors, 16-bit)."""
 
-    def block_forward(self, q, k, v, causal, scale, softcap):
+    def block_forward(self, q, k, v, causal, scale, softcap, window=(-1, -1)):
         from cute_attn import api
 
-        return api.mha(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap, return_lse=True)
+        return api.mha(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap, window_size=window,
+                       return_lse=True)
 
-    def block_backward(self, dout, q, k, v, out, lse, causal, scale, softcap):
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale, softcap, window=(-1, -1)):
         from cute_attn import api, launcher
         from cute_attn.validation import prepare_dout
 
-        features, args = api._features_and_args(causal, (-1, -1), softcap, scale)
+        features, args = api._features_and_args(causal, window, softcap, scale)
         return launcher.run_bwd(prepare_dout(dout, out), q, k, v, out, lse, features, args)
 
     def merge(self, o_part, lse_part, out, lse):
@@ -51,15 +53,16 @@ class ReferenceAttention:
     """The float32 reference (cute_attn.reference), on any device: the stand-in of the
     CPU tests. Outputs float32 whatever the input dtype."""
 
-    def block_forward(self, q, k, v, causal, scale, softcap):
-        return reference.attention_ref(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap)
+    def block_forward(self, q, k, v, causal, scale, softcap, window=(-1, -1)):
+        return reference.attention_ref(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap,
+                                       window_size=window)
 
-    def block_backward(self, dout, q, k, v, out, lse, causal, scale, softcap):
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale, softcap, window=(-1, -1)):
         group = q.shape[2] // k.shape[2]
         qf, kf, vf = q.float(), k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
         raw = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
         scores = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
-        visible = reference.visible_keys(q.shape[1], k.shape[1], causal=causal, device=q.device)
+        visible = reference.visible_keys(q.shape[1], k.shape[1], causal=causal, window_size=window, device=q.device)
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
         p = torch.exp(scores - lse.float()[..., None])  # (b, h, q, k): the block's slice of the softmax
