@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from cute_attn import distributed as cp
+from cute_attn import distributed as cp, reference
 from cute_attn.distributed.layout import block_task, global_positions
 from distributed_checks import Case, spawn
 
@@ -76,21 +76,30 @@ def test_choose_variant():
     assert cp.choose_variant(32, 8, 4, 1024, window_size=(4096, 0)) == "ulysses"
 
 
-def test_halo_fetches_only_the_shards_a_window_reaches(monkeypatch):
-    """halo.Halo's plan without a process group: the shards each rank reads, and the
-    kernel window that makes bottom-right alignment over them the global window."""
-    import torch.distributed as dist
+def test_halo_fetches_only_the_shards_a_window_reaches():
+    """halo.py's plan: the shards each rank reads, who reads its shard, and the kernel
+    window that makes bottom-right alignment over them the global window (checked
+    against the global mask for every rank)."""
+    from cute_attn.distributed.halo import kernel_window, readers, window_keys
 
-    from cute_attn.distributed.halo import Halo
-
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
-    halo = Halo(object(), 100, (30, 0))  # rank 2 of 4, causal window of 30 back
-    assert (halo.first, halo.last, halo.ka, halo.kb) == (1, 2, 170, 300)
-    assert halo.kernel_window() == (30, 0) and halo.readers() == [3]
-    halo = Halo(object(), 100, (150, 20))
-    assert (halo.first, halo.last, halo.ka, halo.kb) == (0, 3, 50, 320)
-    assert halo.kernel_window() == (170, 0) and halo.readers() == [1, 3]
+    # rank 2 of 4, shards of 100, a causal window of 30 back: shards 1 and 2
+    assert window_keys(2, 4, 100, (30, 0)) == (1, 2, 170, 300)
+    assert kernel_window(2, 4, 100, (30, 0)) == (30, 0) and readers(2, 4, 100, (30, 0)) == [3]
+    assert window_keys(2, 4, 100, (150, 20)) == (0, 3, 50, 320)
+    assert kernel_window(2, 4, 100, (150, 20)) == (170, 0) and readers(2, 4, 100, (150, 20)) == [1, 3]
+    for window in ((30, 0), (150, 20), (-1, 7), (0, 0), (5, -1), (250, 250)):
+        for rank in range(4):
+            first, last, ka, kb = window_keys(rank, 4, 100, window)
+            local = reference.visible_keys(100, kb - ka, window_size=kernel_window(rank, 4, 100, window))
+            i = torch.arange(rank * 100, rank * 100 + 100)[:, None]
+            j = torch.arange(ka, kb)[None, :]
+            left, right = window
+            want = ((j >= i - left) | (left < 0)) & ((j <= i + right) | (right < 0))
+            assert torch.equal(torch.ones_like(want) if local is None else local, want), (window, rank)
+            # and no visible key lies outside [ka, kb)
+            everything = torch.arange(400)[None, :]
+            outside = ((everything >= i - left) | (left < 0)) & ((everything <= i + right) | (right < 0))
+            assert outside[:, :ka].sum() == 0 and outside[:, kb:].sum() == 0
 
 
 @pytest.fixture

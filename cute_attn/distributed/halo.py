@@ -19,8 +19,34 @@ import torch
 import torch.distributed as dist
 
 
+def window_keys(rank: int, world_size: int, local_len: int, window: tuple):
+    """(first shard, last shard, ka, kb): the global keys [ka, kb) rank's queries may see
+    under window (left, right) (-1: unbounded), and the shards holding them."""
+    n, seqlen = local_len, local_len * world_size
+    left, right = window
+    qa = rank * n
+    ka = 0 if left < 0 else max(0, qa - left)
+    kb = seqlen if right < 0 else min(seqlen, qa + n + right)
+    return ka // n, (kb - 1) // n, ka, kb
+
+
+def kernel_window(rank: int, world_size: int, local_len: int, window: tuple) -> tuple:
+    """The window (L, R) that, aligned bottom-right on (local_len queries, kb - ka keys),
+    is the global window (the module docstring's formula)."""
+    left, right = window
+    extra = window_keys(rank, world_size, local_len, window)[3] - (rank + 1) * local_len
+    return (-1 if left < 0 else left + extra, -1 if right < 0 else right - extra)
+
+
+def readers(rank: int, world_size: int, local_len: int, window: tuple) -> list:
+    """The other ranks whose windows reach rank's shard."""
+    return [r for r in range(world_size)
+            if r != rank and window_keys(r, world_size, local_len, window)[0] <= rank
+            <= window_keys(r, world_size, local_len, window)[1]]
+
+
 class Halo:
-    """Who sends which shard to whom, for one (world size, shard length, window)."""
+    """Who sends which shard to whom, for one (group, shard length, window)."""
 
     def __init__(self, group, local_len: int, window: tuple):
         self.group = group if group is not None else dist.group.WORLD
@@ -28,26 +54,13 @@ class Halo:
         self.world_size = dist.get_world_size(self.group)
         self.n = local_len
         self.window = window
-        self.first, self.last, self.ka, self.kb = self.keys_of(self.rank)
-
-    def keys_of(self, rank: int):
-        """(first shard, last shard, ka, kb) of the keys rank's queries may see."""
-        n, seqlen = self.n, self.n * self.world_size
-        left, right = self.window
-        qa = rank * n
-        ka = 0 if left < 0 else max(0, qa - left)
-        kb = seqlen if right < 0 else min(seqlen, qa + n + right)
-        return ka // n, (kb - 1) // n, ka, kb
+        self.first, self.last, self.ka, self.kb = window_keys(self.rank, self.world_size, local_len, window)
 
     def kernel_window(self) -> tuple:
-        left, right = self.window
-        extra = self.kb - self.rank * self.n - self.n
-        return (-1 if left < 0 else left + extra, -1 if right < 0 else right - extra)
+        return kernel_window(self.rank, self.world_size, self.n, self.window)
 
-    def readers(self):
-        """The other ranks whose windows reach this rank's shard."""
-        return [r for r in range(self.world_size)
-                if r != self.rank and self.keys_of(r)[0] <= self.rank <= self.keys_of(r)[1]]
+    def readers(self) -> list:
+        return readers(self.rank, self.world_size, self.n, self.window)
 
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)

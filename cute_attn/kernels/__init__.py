@@ -13,6 +13,10 @@ imports another: what two kernels share lives in cute_attn/blocks/.
                and BwdPostprocess (dQ from the fp32 accumulator), one query tile per CTA.
                FlashFwdSm90SplitKV: the same with FwdConfig.split_kv, several CTAs per
                query tile, the tile's last one merging their partials by LSE.
+  kv_append    KVAppend: a decode step's new keys and values into the KV cache, in place.
+  v_transpose  FP8's V^T per KV head (FP8 WGMMA wants both operands K-major).
+  combine      LseCombine: blocks/lse_combine.SplitMerge as a kernel of its own, over
+               partials stacked on the batch mode (context parallelism's merge).
 
 Adding a family (an FP8 forward, mask/score mods):
 put it in a new module here, with a config dataclass and a `*_config_for` heuristic in
@@ -26,7 +30,7 @@ and a compile/run pair in launcher.py. Build it from the blocks, not beside them
   masks                     blocks/mask.Window + AttentionMask
   softmax                   blocks/softmax: fold_score_scale, OnlineSoftmax (forward,
                             decode), probs_from_lse (backward), softcap_scores
-  merging partials by LSE   blocks/lse_combine.merge_row (split-KV)
+  merging partials by LSE   blocks/lse_combine.SplitMerge (split-KV, combine)
   global-memory views       blocks/views (BSHD -> kernel view, packed GQA rows)
   TMA + mbarrier rings      blocks/tma_pipeline (TmaTensor, make_tma_pipeline)
   WGMMA, smem layouts       blocks/mma_sm90
