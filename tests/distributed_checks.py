@@ -25,6 +25,7 @@ class Case:
     head_dim: int = 16
     softcap: float = 0.0
     window: tuple = (-1, -1)
+    documents: tuple = ()  # varlen (ring_mha_varlen): the packed documents' lengths; batch unused
 
 
 def _whole_problem(case: Case, device, dtype, seed: int = 0):
@@ -33,11 +34,28 @@ def _whole_problem(case: Case, device, dtype, seed: int = 0):
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    q = randn(case.batch, case.seqlen, case.heads, case.head_dim)
-    k = randn(case.batch, case.seqlen, case.heads_kv, case.head_dim)
-    v = randn(case.batch, case.seqlen, case.heads_kv, case.head_dim)
-    dout = randn(case.batch, case.seqlen, case.heads, case.head_dim)
+    rows = (sum(case.documents),) if case.documents else (case.batch, case.seqlen)
+    q = randn(*rows, case.heads, case.head_dim)
+    k = randn(*rows, case.heads_kv, case.head_dim)
+    v = randn(*rows, case.heads_kv, case.head_dim)
+    dout = randn(*rows, case.heads, case.head_dim)
     return q, k, v, dout
+
+
+def _cu_seqlens(case: Case) -> list:
+    cu = [0]
+    for n in case.documents:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _sharder(case: Case, rank: int, world_size: int):
+    """shard(tensor, sequence dim) of this rank, dense or varlen."""
+    from cute_attn import distributed as cp
+
+    if case.documents:
+        return lambda t, dim: cp.shard_varlen(t, _cu_seqlens(case), rank, world_size, case.layout, dim=dim)
+    return lambda t, dim: cp.shard(t, rank, world_size, case.layout, dim=dim)
 
 
 def _single(case: Case, q, k, v, dout, attention):
@@ -51,42 +69,58 @@ def _single(case: Case, q, k, v, dout, attention):
 def _parallel(case: Case, q, k, v, dout, rank, world_size, local):
     from cute_attn import distributed as cp
 
-    shards = [cp.shard(t, rank, world_size, case.layout).requires_grad_() for t in (q, k, v)]
-    kwargs = dict(causal=case.causal, window_size=case.window, softcap=case.softcap, layout=case.layout,
-                  return_lse=True, local=local)
-    fn = cp.ring_mha if case.variant == "ring" else cp.ulysses_mha
-    out, lse = fn(*shards, **kwargs)
-    out.backward(cp.shard(dout, rank, world_size, case.layout))
+    seq_dim = 0 if case.documents else 1
+    shard = _sharder(case, rank, world_size)
+    shards = [shard(t, seq_dim).requires_grad_() for t in (q, k, v)]
+    kwargs = dict(causal=case.causal, softcap=case.softcap, layout=case.layout, return_lse=True, local=local)
+    if case.documents:
+        out, lse = cp.ring_mha_varlen(*shards, _cu_seqlens(case), **kwargs)
+    else:
+        fn = cp.ring_mha if case.variant == "ring" else cp.ulysses_mha
+        out, lse = fn(*shards, window_size=case.window, **kwargs)
+    out.backward(shard(dout, seq_dim))
     return (out.detach(), lse, *(t.grad for t in shards))
 
 
-def check_case(case: Case, rank: int, world_size: int, on_gpu: bool):
-    """Raises AssertionError naming the case and the tensor if this rank's shard is off."""
-    from cute_attn import api, distributed as cp, reference
+def expected(case: Case, on_gpu: bool):
+    """(q, k, v, dout) of the whole problem, the fp32 reference's (out, lse, dq, dk, dv),
+    and on the GPU single-GPU mha's (the yardstick of the error bound), else None."""
+    from cute_attn import api, reference
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     q, k, v, dout = _whole_problem(case, device, dtype)
+    cu = torch.tensor(_cu_seqlens(case), dtype=torch.int32, device=device)
 
     def ref(q_, k_, v_):
+        if case.documents:
+            return reference.attention_ref_varlen(q_, k_, v_, cu, cu, causal=case.causal, softcap=case.softcap)
         return reference.attention_ref(q_, k_, v_, causal=case.causal, softcap=case.softcap, window_size=case.window)
 
-    want = _single(case, q.float(), k.float(), v.float(), dout.float(), ref)
-    got = _parallel(case, q, k, v, dout, rank, world_size, None if on_gpu else cp.ReferenceAttention())
-    names = ("out", "lse", "dq", "dk", "dv")
-    if on_gpu:
-        def kernel(q_, k_, v_):
-            return api.mha(q_, k_, v_, causal=case.causal, softcap=case.softcap, window_size=case.window,
-                           return_lse=True)
+    def kernel(q_, k_, v_):
+        if case.documents:
+            longest = max(case.documents)
+            return api.mha_varlen(q_, k_, v_, cu, cu, longest, longest, causal=case.causal, softcap=case.softcap,
+                                  return_lse=True)
+        return api.mha(q_, k_, v_, causal=case.causal, softcap=case.softcap, window_size=case.window,
+                       return_lse=True)
 
-        # the yardstick: single-GPU mha's own error against the fp32 reference
-        single = _single(case, q, k, v, dout, kernel)
-    for i, name in enumerate(names):
-        seq_dim = 2 if name == "lse" else 1
-        expect = cp.shard(want[i].float(), rank, world_size, case.layout, dim=seq_dim)
+    want = _single(case, q.float(), k.float(), v.float(), dout.float(), ref)
+    single = _single(case, q, k, v, dout, kernel) if on_gpu else None
+    return (q, k, v, dout), want, single
+
+
+def compare(case: Case, rank: int, world_size: int, got, want, single) -> None:
+    """Raises AssertionError naming the case and the tensor if this rank's shard is off:
+    fp32 (CPU) within 1e-4 relative; on the GPU within twice mha's own error."""
+    shard = _sharder(case, rank, world_size)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        # lse: (batch, heads, seqlen), varlen (heads, total)
+        seq_dim = (1 if name == "lse" else 0) if case.documents else (2 if name == "lse" else 1)
+        expect = shard(want[i].float(), seq_dim)
         err = (got[i].float() - expect).abs().max().item()
-        if on_gpu:
-            base = (cp.shard(single[i].float(), rank, world_size, case.layout, dim=seq_dim) - expect).abs().max().item()
+        if single is not None:
+            base = (shard(single[i].float(), seq_dim) - expect).abs().max().item()
             bound = 2 * base + 1e-3 * expect.abs().max().item() + 1e-6
         else:
             bound = 1e-4 * (1 + expect.abs().max().item())
@@ -94,6 +128,102 @@ def check_case(case: Case, rank: int, world_size: int, on_gpu: bool):
             raise AssertionError(f"{case} rank {rank}/{world_size}: {name} max error {err:.3g} > {bound:.3g}")
         if torch.isnan(got[i]).any():
             raise AssertionError(f"{case} rank {rank}: NaN in {name}")
+
+
+def check_case(case: Case, rank: int, world_size: int, on_gpu: bool):
+    """This rank's shard through the public entry points (a process group is up)."""
+    from cute_attn import distributed as cp
+
+    tensors, want, single = expected(case, on_gpu)
+    got = _parallel(case, *tensors, rank, world_size, None if on_gpu else cp.ReferenceAttention())
+    compare(case, rank, world_size, got, want, single)
+
+
+# ----------------------------------------------------------------------------------------
+# The ring without torch.distributed: W threads of one process, one per rank
+# ----------------------------------------------------------------------------------------
+
+
+class _Arrival:
+    def __init__(self, inbox, recv):
+        self.inbox, self.recv = inbox, recv
+
+    def wait(self):
+        self.recv.copy_(self.inbox.get(timeout=120))
+
+
+class ThreadRing:
+    """distributed.ring.Ring's interface over queues between threads: rank r's sends go
+    to rank r + 1's inbox in order, and the ring's receives come in the same order. On
+    one GPU the ranks' kernels then share it (one stream: correct, not concurrent), so
+    the kernel path of W ranks runs where only one GPU is lent."""
+
+    def __init__(self, rank: int, world_size: int, inboxes):
+        self.rank, self.world_size, self.inboxes = rank, world_size, inboxes
+
+    def start(self, send):
+        self.inboxes[(self.rank + 1) % self.world_size].put(send.clone())
+        recv = torch.empty_like(send)
+        return recv, [_Arrival(self.inboxes[self.rank], recv)]
+
+    @staticmethod
+    def wait(works):
+        for work in works:
+            work.wait()
+
+
+def _ring_direct(case: Case, tensors, rank: int, world_size: int, ring, local):
+    """(out, lse, dq, dk, dv) of rank's shard through ring_forward / ring_backward (no
+    autograd: its engine runs one device's backward on one thread)."""
+    from cute_attn.distributed.ring import DenseSteps, VarlenSteps, ring_backward, ring_forward
+
+    q, k, v, dout = tensors
+    seq_dim = 0 if case.documents else 1
+    shard = _sharder(case, rank, world_size)
+    qs, ks, vs, dos = (shard(t, seq_dim) for t in (q, k, v, dout))
+    scale = case.head_dim ** -0.5
+    if case.documents:
+        qs, ks, vs, dos = (t[None] for t in (qs, ks, vs, dos))
+        steps = VarlenSteps(local, case.layout, case.causal, scale, case.softcap, rank, world_size,
+                            [x // world_size for x in _cu_seqlens(case)], q.device)
+    else:
+        steps = DenseSteps(local, case.layout, case.causal, scale, case.softcap, rank, qs.shape[1])
+    out, lse = ring_forward(qs, ks, vs, ring, steps)
+    grads = ring_backward(dos, qs, ks, vs, out, lse, ring, steps)
+    results = (out, lse, *grads)
+    return tuple(t[0] for t in results) if case.documents else results
+
+
+def check_case_threads(case: Case, world_size: int, on_gpu: bool) -> None:
+    """Every rank of a ring (dense or varlen, no window) in its own thread, compared."""
+    import queue
+    import threading
+
+    from cute_attn import distributed as cp
+
+    tensors, want, single = expected(case, on_gpu)
+    inboxes = [queue.Queue() for _ in range(world_size)]
+    results, errors = [None] * world_size, []
+    device = torch.cuda.current_device() if on_gpu else None
+
+    def run(rank):
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            local = cp.KernelAttention() if on_gpu else cp.ReferenceAttention()
+            results[rank] = _ring_direct(case, tensors, rank, world_size, ThreadRing(rank, world_size, inboxes), local)
+        except BaseException as exc:  # noqa: BLE001 (re-raised below, in the caller's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for rank in range(world_size):
+        compare(case, rank, world_size, results[rank], want, single)
 
 
 def _drop_the_partial(self, o_part, lse_part, out, lse):

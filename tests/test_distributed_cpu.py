@@ -39,6 +39,53 @@ def test_ring_steps_cover_each_visible_pair_once(world_size, layout, causal):
         assert torch.equal(count, visible.int()), (rank, count)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_steps_cover_each_visible_pair_once(world_size, layout, causal):
+    """layout.varlen_task over packed documents (one empty): over a rank's W steps, the
+    (query, key) pairs of its calls' sequences, in packed positions, are exactly the
+    pairs of the same document the mask lets through, each once."""
+    from cute_attn.distributed.layout import varlen_positions, varlen_task
+
+    parts = world_size * (2 if layout == "zigzag" else 1)
+    cu = [0]
+    for n in (2 * parts, 0, parts, 3 * parts):
+        cu.append(cu[-1] + n)
+    local_cu = [x // world_size for x in cu]
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor([b - a for a, b in zip(cu, cu[1:])]))
+    for rank in range(world_size):
+        q_pos = varlen_positions(cu, world_size, layout, rank)
+        count = torch.zeros(len(q_pos), cu[-1], dtype=torch.int32)
+        for src in range(world_size):
+            k_pos = varlen_positions(cu, world_size, layout, src)
+            task = varlen_task(layout, causal, rank, src, local_cu)
+            if task is None:
+                continue
+            for q0, q1, k0, k1 in zip(task.cu_seqlens_q, task.cu_seqlens_q[1:], task.cu_seqlens_k,
+                                      task.cu_seqlens_k[1:]):
+                for i in range(q0, q1):
+                    for j in range(k0, k1):
+                        # bottom-right causal within the call's sequence
+                        if task.causal and j - k0 > i - q0 + (k1 - k0) - (q1 - q0):
+                            continue
+                        count[i, k_pos[j]] += 1
+        same_doc = doc[q_pos][:, None] == doc[None, :]
+        visible = same_doc & (q_pos[:, None] >= torch.arange(cu[-1])[None, :]) if causal else same_doc
+        assert torch.equal(count, visible.int()), (rank, count)
+
+
+def test_varlen_shard_round_trip():
+    cu = [0, 8, 8, 24]
+    x = torch.randn(24, 3, 4)
+    for layout in ("contiguous", "zigzag"):
+        shards = [cp.shard_varlen(x, cu, r, 2, layout) for r in range(2)]
+        assert torch.equal(cp.unshard_varlen(shards, cu, layout), x)
+    assert torch.equal(cp.shard_varlen(x, cu, 1, 2, "zigzag")[:4], torch.cat([x[2:4], x[4:6]]))
+    with pytest.raises(ValueError, match="divide by 4"):
+        cp.shard_varlen(x, [0, 6, 24], 0, 2, "zigzag")
+
+
 def test_zigzag_balances_causal_work():
     """Every rank computes the same number of causal pairs with zigzag (not contiguous)."""
     def pairs(layout, rank, world_size, local_len=8):
@@ -156,6 +203,10 @@ _RING_CASES = [
     Case("ring", "contiguous", False, window=(30, 7)),  # reaches several shards back
     Case("ring", "contiguous", False, window=(-1, 3)),
     Case("ring", "contiguous", False, window=(0, 0)),
+    # packed documents (ring_mha_varlen), every length a multiple of 2 x 4 ranks, one empty
+    Case("ring", "zigzag", True, documents=(16, 8, 0, 24)),
+    Case("ring", "contiguous", True, documents=(8, 32, 8), heads_kv=1),
+    Case("ring", "zigzag", False, documents=(24, 16), softcap=5.0),
 ]
 _ULYSSES_CASES = [
     Case("ulysses", "zigzag", True),
@@ -174,6 +225,16 @@ def test_ring_and_ulysses_match_single_process(world_size, tmp_path):
         cases.append(case if case.heads_kv % world_size == 0 else
                      Case(**{**case.__dict__, "heads_kv": 4}))
     spawn(world_size, cases, on_gpu=False, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("case", [c for c in _RING_CASES if c.window == (-1, -1)],
+                         ids=lambda c: f"{c.layout}-{'causal' if c.causal else 'full'}-{'varlen' if c.documents else 'dense'}")
+def test_ring_in_threads_matches_single_process(case):
+    """The thread-ring harness the GPU tests use where one GPU is lent (distributed_checks
+    .ThreadRing), itself checked here with the reference at 4 ranks."""
+    from distributed_checks import check_case_threads
+
+    check_case_threads(case, 4, on_gpu=False)
 
 
 def test_ring_three_ranks(tmp_path):

@@ -64,6 +64,9 @@ _CASES = [
     Case("ring", "zigzag", False, batch=1, seqlen=776, heads=4, heads_kv=4, head_dim=128, softcap=30.0),
     Case("ring", "contiguous", True, batch=1, seqlen=1000, heads=4, heads_kv=2, head_dim=128, window=(300, 0)),
     Case("ring", "contiguous", False, batch=1, seqlen=1000, heads=2, heads_kv=1, head_dim=64, window=(700, 90)),
+    # packed documents (ring_mha_varlen): an empty one, lengths not multiples of the tiles
+    Case("ring", "zigzag", True, heads=4, heads_kv=2, head_dim=128, documents=(1000, 0, 248, 520)),
+    Case("ring", "contiguous", False, heads=2, heads_kv=2, head_dim=64, documents=(364, 904)),
     Case("ulysses", "zigzag", True, batch=1, seqlen=1000, heads=4, heads_kv=2, head_dim=128),
     Case("ulysses", "contiguous", True, batch=1, seqlen=600, heads=2, heads_kv=2, head_dim=64, window=(100, 0)),
 ]
@@ -74,3 +77,15 @@ def test_context_parallel_matches_single_gpu(world_size, tmp_path):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     spawn(world_size, _CASES, on_gpu=True, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_kernel_path_in_threads(world_size):
+    """The ring's kernel path (dense and varlen, the merge kernel, the backward's
+    accumulators) with W ranks as threads of one process on one GPU
+    (distributed_checks.ThreadRing): needs no second GPU."""
+    from distributed_checks import check_case_threads
+
+    for case in _CASES:
+        if case.variant == "ring" and case.window == (-1, -1):
+            check_case_threads(case, world_size, on_gpu=True)

@@ -30,11 +30,21 @@ from typing import Optional
 
 import torch
 
-from cute_attn.distributed.layout import LAYOUTS, block_task, check_layout, global_positions, shard, unshard
+from cute_attn.distributed.layout import (
+    LAYOUTS,
+    block_task,
+    check_layout,
+    check_varlen_lengths,
+    global_positions,
+    shard,
+    shard_varlen,
+    unshard,
+    unshard_varlen,
+)
 from cute_attn.distributed.local import KernelAttention, ReferenceAttention
 
-__all__ = ["ring_mha", "ulysses_mha", "choose_variant", "shard", "unshard", "global_positions", "block_task",
-           "KernelAttention", "ReferenceAttention", "LAYOUTS"]
+__all__ = ["ring_mha", "ring_mha_varlen", "ulysses_mha", "choose_variant", "shard", "unshard", "shard_varlen",
+           "unshard_varlen", "global_positions", "block_task", "KernelAttention", "ReferenceAttention", "LAYOUTS"]
 
 
 def choose_variant(nheads: int, nheads_kv: int, world_size: int, seqlen_local: int,
@@ -97,9 +107,11 @@ def ring_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, c
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     right = 0 if causal else right
     if left < 0 and right in (-1, 0):  # no window, or causal's: the ring
-        from cute_attn.distributed.ring import Ring, RingAttention
+        from cute_attn.distributed.ring import DenseSteps, Ring, RingAttention
 
-        out, lse = RingAttention.apply(q, k, v, Ring(group), local, layout, right == 0, scale, float(softcap))
+        ring = Ring(group)
+        steps = DenseSteps(local, layout, right == 0, scale, float(softcap), ring.rank, q.shape[1])
+        out, lse = RingAttention.apply(q, k, v, ring, steps)
     else:
         if layout != "contiguous":
             raise ValueError(f"a sliding window across ranks needs layout='contiguous' (got {layout!r}): its "
@@ -109,6 +121,41 @@ def ring_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, c
         out, lse = HaloAttention.apply(q, k, v, Halo(group, q.shape[1], (left, right)), local, scale,
                                        float(softcap))
     return (out, lse) if return_lse else out
+
+
+def ring_mha_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, group=None, *,
+                    causal: bool = False, softmax_scale: Optional[float] = None, softcap: float = 0.0,
+                    layout: str = "zigzag", return_lse: bool = False, local=None):
+    """Ring attention over a packed batch of documents split over the ranks.
+
+    cu_seqlens: the whole batch's document offsets (a list of ints or an int tensor read
+    once on the host; every rank passes the same), each document's length divisible by
+    the world size (by twice it for zigzag): each rank holds 1 / W of every document, in
+    `layout` applied per document (shard_varlen makes the shards). q (total / W, heads,
+    head_dim), k, v (total / W, heads_kv, head_dim): this rank's rows. Returns out like
+    q, or (out, lse) with lse float32 (heads, total / W) (mha_varlen's layout).
+    Differentiable in q, k, v.
+    """
+    world_size = _world_size(group)
+    local = KernelAttention() if local is None else local
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError("cu_seqlens must start at 0 and not decrease")
+    check_varlen_lengths(cu, world_size, layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (total_tokens / world_size, heads, head_dim)")
+        if t.shape[0] != cu[-1] // world_size:
+            raise ValueError(f"{name} holds {t.shape[0]} rows; this rank's share of cu_seqlens is {cu[-1] // world_size}")
+    _check_shards(q[None], k[None], v[None], "contiguous", local, softmax_scale, softcap)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    from cute_attn.distributed.ring import Ring, RingAttention, VarlenSteps
+
+    ring = Ring(group)
+    steps = VarlenSteps(local, layout, bool(causal), scale, float(softcap), ring.rank, world_size,
+                        [x // world_size for x in cu], q.device)
+    out, lse = RingAttention.apply(q[None], k[None], v[None], ring, steps)
+    return (out[0], lse[0]) if return_lse else out[0]
 
 
 def ulysses_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,

@@ -90,3 +90,85 @@ def unshard(shards: list, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(seqlen)
     return stacked.index_select(dim, inverse.to(stacked.device))
+
+
+# ----------------------------------------------------------------------------------------
+# Packed variable-length batches: every document split the same way, one per rank
+# ----------------------------------------------------------------------------------------
+# A packed batch of documents (cu_seqlens over the whole batch) is sharded document by
+# document: each document of length L gives each rank L / W tokens, in the layout above
+# applied to that document alone (zigzag: chunks r and 2W - 1 - r of the document's 2W).
+# Every rank then holds every document, each L / W long, so every rank's local cu_seqlens
+# are the global ones divided by W, and a ring step's task applies per document.
+
+
+def check_varlen_lengths(cu_seqlens: list, world_size: int, layout: str) -> None:
+    parts = world_size * (2 if layout == "zigzag" else 1)
+    lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    bad = [i for i, n in enumerate(lengths) if n % parts]
+    if bad:
+        raise ValueError(f"every document's length must divide by {parts} ({'2 x ' if layout == 'zigzag' else ''}"
+                         f"world size, layout {layout!r}); documents {bad[:8]} have lengths "
+                         f"{[lengths[i] for i in bad[:8]]} (pad them)")
+
+
+def varlen_positions(cu_seqlens: list, world_size: int, layout: str, rank: int) -> torch.Tensor:
+    """The packed-batch rows rank holds, in its local order (int64, on the CPU)."""
+    check_varlen_lengths(cu_seqlens, world_size, layout)
+    return torch.cat([start + global_positions(end - start, world_size, layout, rank) if end > start
+                      else torch.zeros(0, dtype=torch.int64)
+                      for start, end in zip(cu_seqlens, cu_seqlens[1:])])
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens: list, rank: int, world_size: int, layout: str = "zigzag",
+                 dim: int = 0) -> torch.Tensor:
+    """Rank's rows of a packed batch x (documents at cu_seqlens, along dim)."""
+    return x.index_select(dim, varlen_positions(cu_seqlens, world_size, layout, rank).to(x.device)).contiguous()
+
+
+def unshard_varlen(shards: list, cu_seqlens: list, layout: str = "zigzag", dim: int = 0) -> torch.Tensor:
+    """The packed batch from every rank's shard (shards[r] of rank r)."""
+    world_size = len(shards)
+    order = torch.cat([varlen_positions(cu_seqlens, world_size, layout, r) for r in range(world_size)])
+    stacked = torch.cat(shards, dim=dim)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return stacked.index_select(dim, inverse.to(stacked.device))
+
+
+class VarlenTask(NamedTuple):
+    """A ring step over a packed batch: one varlen call on all local query rows and all
+    local keys, its sequences built from block_task per document. A document's query
+    rows that see none of the step's keys become a sequence with no keys (out 0, lse
+    -inf: weight 0 in the merge); keys no query of the step sees become a sequence with
+    no queries, so that each sequence's keys stay contiguous."""
+
+    cu_seqlens_q: list
+    cu_seqlens_k: list
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+
+
+def varlen_task(layout: str, causal: bool, rank: int, src: int, local_cu_seqlens: list) -> Optional[VarlenTask]:
+    """The varlen call of rank's step against shard src (every document split alike)."""
+    cu_q, cu_k = [0], [0]
+    for start, end in zip(local_cu_seqlens, local_cu_seqlens[1:]):
+        n = end - start
+        task = block_task(layout, causal, rank, src, n) if n else None
+        if task is None:  # nothing of this document: its queries see no key, its keys no query
+            pieces = [(n, 0), (0, n)]
+        else:
+            q_before, k_before = task.q_rows.start, task.k_rows.start
+            q_len, k_len = task.q_rows.stop - q_before, task.k_rows.stop - k_before
+            pieces = [(q_before, 0), (0, k_before), (q_len, k_len), (n - q_before - q_len, n - k_before - k_len)]
+        for dq, dk in pieces:
+            if dq or dk:
+                cu_q.append(cu_q[-1] + dq)
+                cu_k.append(cu_k[-1] + dk)
+    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])] or [0]
+    lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])] or [0]
+    if not any(dq and dk for dq, dk in zip(lengths_q, lengths_k)):
+        return None
+    # block_task's mask is the same for every document: causal exactly on the diagonal step
+    return VarlenTask(cu_q, cu_k, max(lengths_q), max(lengths_k), causal and src == rank)

@@ -17,7 +17,7 @@ block from the merged out and lse (local.py: block_backward).
 import torch
 import torch.distributed as dist
 
-from cute_attn.distributed.layout import block_task
+from cute_attn.distributed.layout import block_task, varlen_task
 
 
 class Ring:
@@ -44,7 +44,68 @@ class Ring:
             work.wait()
 
 
-def ring_forward(q, k, v, ring: Ring, local, layout: str, causal: bool, scale: float, softcap: float):
+class DenseSteps:
+    """The ring steps of (batch, seqlen, heads, head_dim) shards: layout.block_task's part
+    of each block through the per-rank attention `local` (local.py)."""
+
+    def __init__(self, local, layout: str, causal: bool, scale: float, softcap: float, rank: int, seqlen: int):
+        self.local, self.layout, self.causal, self.scale, self.softcap = local, layout, causal, scale, softcap
+        self.rank, self.seqlen = rank, seqlen
+
+    def forward(self, q, k, v, src):
+        """None (nothing to compute), or (query rows, their out, their lse)."""
+        task = block_task(self.layout, self.causal, self.rank, src, self.seqlen)
+        if task is None:
+            return None
+        out, lse = self.local.block_forward(q[:, task.q_rows], k[:, task.k_rows], v[:, task.k_rows], task.causal,
+                                            self.scale, self.softcap)
+        return task.q_rows, out, lse
+
+    def backward(self, dout, q, k, v, out, lse, src):
+        """None, or (query rows, key rows, dq, dk, dv) of those rows."""
+        task = block_task(self.layout, self.causal, self.rank, src, self.seqlen)
+        if task is None:
+            return None
+        rows, keys = task.q_rows, task.k_rows
+        grads = self.local.block_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                                          lse[:, :, rows], task.causal, self.scale, self.softcap)
+        return (rows, keys, *grads)
+
+
+class VarlenSteps:
+    """The ring steps of packed batches, seen as (1, total, heads, head_dim) shards whose
+    documents are all split alike (layout.varlen_task): one varlen call per step over
+    every local row, its cu_seqlens built once per call (a host-to-device copy, W of
+    them, before the first step)."""
+
+    def __init__(self, local, layout: str, causal: bool, scale: float, softcap: float, rank: int, world_size: int,
+                 local_cu_seqlens: list, device):
+        self.local, self.scale, self.softcap = local, scale, softcap
+        self.tasks = {src: varlen_task(layout, causal, rank, src, local_cu_seqlens) for src in range(world_size)}
+        self.cu = {src: tuple(torch.tensor(cu, dtype=torch.int32, device=device)
+                              for cu in (task.cu_seqlens_q, task.cu_seqlens_k))
+                   for src, task in self.tasks.items() if task is not None}
+
+    def forward(self, q, k, v, src):
+        task = self.tasks[src]
+        if task is None:
+            return None
+        out, lse = self.local.varlen_forward(q[0], k[0], v[0], *self.cu[src], task.max_seqlen_q, task.max_seqlen_k,
+                                             task.causal, self.scale, self.softcap)
+        return slice(0, q.shape[1]), out[None], lse[None]
+
+    def backward(self, dout, q, k, v, out, lse, src):
+        task = self.tasks[src]
+        if task is None:
+            return None
+        grads = self.local.varlen_backward(dout[0], q[0], k[0], v[0], out[0], lse[0], *self.cu[src],
+                                           task.max_seqlen_q, task.max_seqlen_k, task.causal, self.scale,
+                                           self.softcap)
+        everything = slice(0, q.shape[1])
+        return (everything, everything, *(g[None] for g in grads))
+
+
+def ring_forward(q, k, v, ring: Ring, steps):
     """(out, lse) of this rank's queries over the whole sequence: out in q's dtype (the
     reference's float32 stays float32), lse float32 (batch, heads, seqlen_local)."""
     batch, seqlen, heads, head_dim = q.shape
@@ -55,18 +116,17 @@ def ring_forward(q, k, v, ring: Ring, local, layout: str, causal: bool, scale: f
     lse_merged = q.new_empty((batch, heads, seqlen), dtype=torch.float32)
     for step in range(ring.world_size):
         pending = ring.start(kv) if step + 1 < ring.world_size else None
-        task = block_task(layout, causal, ring.rank, (ring.rank - step) % ring.world_size, seqlen)
-        if task is not None:
-            rows = task.q_rows
-            out, lse = local.block_forward(q[:, rows], kv[0][:, task.k_rows], kv[1][:, task.k_rows], task.causal,
-                                           scale, softcap)
+        result = steps.forward(q, kv[0], kv[1], (ring.rank - step) % ring.world_size)
+        if result is not None:
+            rows, out, lse = result
             if step == 0:  # the diagonal block: every row, the first partial
                 o_part[:batch].copy_(out)
                 lse_part[:batch].copy_(lse)
             else:
                 o_part[batch:, rows].copy_(out)
                 lse_part[batch:, :, rows].copy_(lse)
-                local.merge(o_part[:, rows], lse_part[:, :, rows], o_part[:batch, rows], lse_merged[:, :, rows])
+                steps.local.merge(o_part[:, rows], lse_part[:, :, rows], o_part[:batch, rows],
+                                  lse_merged[:, :, rows])
                 lse_part[:batch, :, rows].copy_(lse_merged[:, :, rows])
         if pending is not None:
             kv, works = pending
@@ -75,29 +135,23 @@ def ring_forward(q, k, v, ring: Ring, local, layout: str, causal: bool, scale: f
     return o_part[:batch].to(out_dtype), lse_part[:batch].clone()
 
 
-def ring_backward(dout, q, k, v, out, lse, ring: Ring, local, layout: str, causal: bool, scale: float,
-                  softcap: float):
+def ring_backward(dout, q, k, v, out, lse, ring: Ring, steps):
     """(dq, dk, dv) of this rank's shards, in their dtypes."""
-    seqlen = q.shape[1]
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
     dkv = torch.zeros_like(kv, dtype=torch.float32)  # the held K/V shard's accumulators
     dkv_pending = None
     for step in range(ring.world_size):
         kv_pending = ring.start(kv) if step + 1 < ring.world_size else None
-        task = block_task(layout, causal, ring.rank, (ring.rank - step) % ring.world_size, seqlen)
-        grads = None
-        if task is not None:
-            rows, keys = task.q_rows, task.k_rows
-            grads = local.block_backward(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                                         lse[:, :, rows], task.causal, scale, softcap)
+        grads = steps.backward(dout, q, kv[0], kv[1], out, lse, (ring.rank - step) % ring.world_size)
         if dkv_pending is not None:  # the accumulators of the shard now held, from the previous rank
             dkv, works = dkv_pending
             ring.wait(works)
         if grads is not None:
-            dq[:, rows] += grads[0]
-            dkv[0][:, keys] += grads[1]
-            dkv[1][:, keys] += grads[2]
+            rows, keys, dq_step, dk_step, dv_step = grads
+            dq[:, rows] += dq_step
+            dkv[0][:, keys] += dk_step
+            dkv[1][:, keys] += dv_step
         dkv_pending = ring.start(dkv)
         if kv_pending is not None:
             kv, works = kv_pending
@@ -109,10 +163,10 @@ def ring_backward(dout, q, k, v, out, lse, ring: Ring, local, layout: str, causa
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, local, layout, causal, scale, softcap):
-        out, lse = ring_forward(q, k, v, ring, local, layout, causal, scale, softcap)
+    def forward(ctx, q, k, v, ring, steps):
+        out, lse = ring_forward(q, k, v, ring, steps)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (ring, local, layout, causal, scale, softcap)
+        ctx.settings = (ring, steps)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -120,4 +174,4 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.settings)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None
