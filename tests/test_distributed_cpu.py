@@ -117,8 +117,11 @@ def test_shard_unshard_round_trip():
 
 def test_choose_variant():
     assert cp.choose_variant(32, 8, 4, 65536) == "ulysses"
-    assert cp.choose_variant(32, 8, 16, 65536) == "ring"
+    assert cp.choose_variant(32, 8, 16, 65536) == "ulysses"
+    assert cp.choose_variant(24, 8, 16, 65536) == "ring"
     assert cp.choose_variant(6, 6, 4, 65536) == "ring"
+    assert cp.choose_variant(32, 2, 4, 65536) == "ulysses"  # KV heads copied per rank
+    assert cp.choose_variant(32, 3, 4, 65536) == "ring"
     assert cp.choose_variant(32, 8, 4, 65536, window_size=(4096, 0)) == "ring"
     assert cp.choose_variant(32, 8, 4, 1024, window_size=(4096, 0)) == "ulysses"
 
@@ -209,22 +212,17 @@ _RING_CASES = [
     Case("ring", "zigzag", False, documents=(24, 16), softcap=5.0),
 ]
 _ULYSSES_CASES = [
-    Case("ulysses", "zigzag", True),
-    Case("ulysses", "contiguous", False),
-    Case("ulysses", "zigzag", True, window=(5, 3), softcap=4.0),
+    Case("ulysses", "zigzag", True),  # 2 KV heads: copied per rank at 4 ranks
+    Case("ulysses", "contiguous", False, heads_kv=4),
+    Case("ulysses", "zigzag", True, window=(5, 3), softcap=4.0, heads_kv=1),
 ]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_and_ulysses_match_single_process(world_size, tmp_path):
     """Forward (out, lse) and backward (dq, dk, dv) of every rank's shard against the
-    whole sequence's attention in one process, fp32, gloo. Ulysses at 4 ranks needs the
-    head counts divisible by 4: its cases there use 4 KV heads."""
-    cases = list(_RING_CASES)
-    for case in _ULYSSES_CASES:
-        cases.append(case if case.heads_kv % world_size == 0 else
-                     Case(**{**case.__dict__, "heads_kv": 4}))
-    spawn(world_size, cases, on_gpu=False, tmp_path=tmp_path)
+    whole sequence's attention in one process, fp32, gloo."""
+    spawn(world_size, _RING_CASES + _ULYSSES_CASES, on_gpu=False, tmp_path=tmp_path)
 
 
 @pytest.mark.parametrize("case", [c for c in _RING_CASES if c.window == (-1, -1)],

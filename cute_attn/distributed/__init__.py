@@ -16,8 +16,9 @@ Two variants:
   * ulysses_mha (ulysses.py): all-to-all re-shards to whole sequences of heads / W heads,
     whole attention runs locally, with every feature of `mha` (windows included). Moves
     about (q + k + v + out) x (W - 1) / W of the local shard per forward, independent of
-    the sequence's length in steps, but needs heads and heads_kv divisible by W and a
-    whole sequence's K/V per rank.
+    the sequence's length in steps, but needs heads divisible by W (heads_kv divisible by
+    W, or dividing it: then KV heads are copied per rank) and a whole sequence's K/V per
+    rank.
 Which to pick (`choose_variant`): a window shorter than a shard, the ring (its halo moves
 one or two neighbours' K/V, less than Ulysses' all-to-alls); otherwise Ulysses when the
 head counts divide by the world size (fewer bytes moved, one kernel launch per pass); the
@@ -50,11 +51,11 @@ __all__ = ["ring_mha", "ring_mha_varlen", "ulysses_mha", "choose_variant", "shar
 def choose_variant(nheads: int, nheads_kv: int, world_size: int, seqlen_local: int,
                    window_size=(-1, -1)) -> str:
     """The module docstring's rule: "ring" for a window within one shard's length on
-    either side, else "ulysses" when both head counts divide by world_size, else "ring"."""
+    either side, else "ulysses" when ulysses_mha takes the head counts, else "ring"."""
     left, right = window_size
     if 0 <= left <= seqlen_local and 0 <= right <= seqlen_local:
         return "ring"
-    if nheads % world_size == 0 and nheads_kv % world_size == 0:
+    if nheads % world_size == 0 and (nheads_kv % world_size == 0 or world_size % nheads_kv == 0):
         return "ulysses"
     return "ring"
 
@@ -162,15 +163,20 @@ def ulysses_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *
                 softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
                 layout: str = "zigzag", return_lse: bool = False, local=None):
     """All-to-all (Ulysses) attention over the ranks of `group`: arguments and results as
-    ring_mha's, plus window_size (global positions). heads and heads_kv must divide by
-    the world size."""
+    ring_mha's (window_size too). nheads must divide by the world size, and nheads_kv
+    divide by it or divide it (fewer KV heads than ranks: each rank gets a copy of the
+    KV head its query heads read)."""
     world_size = _world_size(group)
     local = KernelAttention() if local is None else local
     window_size = _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size)
-    for name, heads in (("nheads", q.shape[2]), ("nheads_kv", k.shape[2])):
-        if heads % world_size:
-            raise ValueError(f"ulysses_mha needs {name} ({heads}) divisible by the world size ({world_size}); "
-                             f"ring_mha takes any head count")
+    heads, heads_kv = q.shape[2], k.shape[2]
+    if heads % world_size or (heads_kv % world_size and world_size % heads_kv):
+        raise ValueError(f"ulysses_mha needs nheads ({heads}) divisible by the world size ({world_size}), and "
+                         f"nheads_kv ({heads_kv}) divisible by it or dividing it; ring_mha takes any head count")
+    if heads_kv % world_size:
+        # fewer KV heads than ranks: each rank's query heads share one KV head, so every
+        # rank gets a copy of its own (the gradient of the copies sums back)
+        k, v = (t.repeat_interleave(world_size // heads_kv, dim=2) for t in (k, v))
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     from cute_attn.distributed.ulysses import ulysses_forward
 

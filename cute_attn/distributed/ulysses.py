@@ -54,33 +54,25 @@ def heads_to_seq(x: torch.Tensor, group, layout: str) -> torch.Tensor:
     return recv.movedim(0, 2).reshape(batch, local_len, world_size * local_heads, *rest)
 
 
-class SeqToHeads(torch.autograd.Function):
+class Reshard(torch.autograd.Function):
+    """One of the two exchanges, differentiable: the gradient takes the other one."""
+
     @staticmethod
-    def forward(ctx, x, group, layout):
-        ctx.settings = (group, layout)
-        return seq_to_heads(x, group, layout)
+    def forward(ctx, x, exchange, inverse, group, layout):
+        ctx.settings = (inverse, group, layout)
+        return exchange(x, group, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_seq(grad.contiguous(), *ctx.settings), None, None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, layout):
-        ctx.settings = (group, layout)
-        return heads_to_seq(x, group, layout)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad.contiguous(), *ctx.settings), None, None
+        inverse, group, layout = ctx.settings
+        return inverse(grad.contiguous(), group, layout), None, None, None, None
 
 
 def ulysses_forward(q, k, v, group, local, layout, causal, scale, window_size, softcap):
     """(out, lse) of this rank's shard, differentiable in q, k, v through the exchanges."""
-    qh, kh, vh = (SeqToHeads.apply(t, group, layout) for t in (q, k, v))
+    qh, kh, vh = (Reshard.apply(t, seq_to_heads, heads_to_seq, group, layout) for t in (q, k, v))
     out, lse = local.attention(qh, kh, vh, causal, scale, window_size, softcap)
-    out = HeadsToSeq.apply(out, group, layout)
+    out = Reshard.apply(out, heads_to_seq, seq_to_heads, group, layout)
     # lse (batch, heads / W, seqlen) through the same exchange as a (batch, seqlen, heads / W) tensor
     lse = heads_to_seq(lse.detach().transpose(1, 2).contiguous(), group, layout).transpose(1, 2).contiguous()
     return out, lse
