@@ -69,6 +69,7 @@ _CASES = [
     Case("ring", "contiguous", False, heads=2, heads_kv=2, head_dim=64, documents=(364, 904)),
     Case("ulysses", "zigzag", True, batch=1, seqlen=1000, heads=4, heads_kv=2, head_dim=128),
     Case("ulysses", "contiguous", True, batch=1, seqlen=600, heads=2, heads_kv=2, head_dim=64, window=(100, 0)),
+    Case("ulysses", "zigzag", False, batch=1, seqlen=520, heads=4, heads_kv=1, head_dim=128),  # KV copied per rank
 ]
 
 
