@@ -888,6 +888,10 @@ def run_combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
     may not alias lse_part). Validated by the caller: fp32 partials and lse, head_dim
     contiguous with 16-byte aligned rows, the same (seqlen, heads, head_dim)."""
     splits = o_part.shape[0] // out.shape[0]
+    if splits * out.shape[0] != o_part.shape[0] or o_part.shape[1:] != out.shape[1:] \
+            or lse_part.shape != (o_part.shape[0], *lse.shape[1:]) or lse.shape != (out.shape[0], out.shape[2], out.shape[1]):
+        raise ValueError(f"run_combine: partials {tuple(o_part.shape)} / {tuple(lse_part.shape)} do not stack "
+                         f"outputs {tuple(out.shape)} / {tuple(lse.shape)}")
     fn = get_combine_kernel(CombineKey(str(out.dtype).removeprefix("torch."), out.shape[-1]))
     fn(o_part, lse_part, out, lse, splits)
 

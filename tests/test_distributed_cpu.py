@@ -183,12 +183,22 @@ def test_one_rank_is_plain_attention(one_rank_group):
 
     q, k, v = (torch.randn(2, 10, 2, 16) for _ in range(3))
     local = cp.ReferenceAttention()
-    for kwargs in ({"causal": True}, {"window_size": (3, 2), "layout": "contiguous"}):
-        out, lse = cp.ring_mha(q, k, v, return_lse=True, local=local, **kwargs)
-        want, want_lse = reference.attention_ref(q, k, v, **{key: val for key, val in kwargs.items()
-                                                              if key != "layout"})
+    dout = torch.randn(2, 10, 2, 16)
+    for kwargs in ({"causal": True}, {"window_size": (3, 2), "layout": "contiguous"},
+                   {"causal": True, "window_size": (99, 0)}):  # a window past the sequence: the ring
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = cp.ring_mha(*leaves, return_lse=True, local=local, **kwargs)
+        out.backward(dout)
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        want, want_lse = reference.attention_ref(*ref_leaves, **{key: val for key, val in kwargs.items()
+                                                                  if key != "layout"})
+        want.backward(dout)
         torch.testing.assert_close(out, want)
         torch.testing.assert_close(lse, want_lse)
+        for got, expect in zip(leaves, ref_leaves):
+            torch.testing.assert_close(got.grad, expect.grad)
+    with pytest.raises(ValueError, match="share one shape"):
+        cp.ring_mha(q, k[..., :8], v, causal=True, local=local)
 
 
 def test_needs_an_initialised_group():

@@ -78,6 +78,12 @@ def _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size=(-
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         raise ValueError(f"q, k and v must hold the same shard of the sequence: local lengths "
                          f"{q.shape[1]}, {k.shape[1]}, {v.shape[1]}")
+    # what a rank's first kernel would otherwise find only after the first exchange is posted
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or k.shape[2] == 0 \
+            or q.shape[2] % k.shape[2]:
+        raise ValueError(f"k and v must share one shape (batch, seqlen_local, heads_kv, head_dim) with q's batch "
+                         f"and head_dim and heads_kv dividing q's heads: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
     check_layout(layout, q.shape[1])
     from cute_attn.validation import validate_fwd_inputs, validate_softcap, validate_window_size
 
@@ -96,17 +102,22 @@ def ring_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, c
     head_dim): this rank's shard of one sequence in `layout` ("zigzag" or "contiguous",
     cute_attn.distributed.shard makes them); every rank calls with the same shapes.
     causal and window_size (left, right; -1 unbounded) follow the global positions; a
-    window other than causal's needs layout="contiguous" (halo.py). Returns this rank's
+    window other than causal's needs layout="contiguous" (halo.py), and one with an
+    unbounded side other than causal's gathers every shard on that side (memory: the
+    whole sequence's K/V on the end ranks). Returns this rank's
     out (like q; float32 from
     the reference), or (out, lse) with lse float32 (batch, heads, seqlen / W).
     Differentiable in q, k, v. local: the per-rank attention (KernelAttention, the
     default; ReferenceAttention for CPU tests).
     """
-    _world_size(group)
+    world_size = _world_size(group)
     local = KernelAttention() if local is None else local
     left, right = _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     right = 0 if causal else right
+    # a side that reaches past the whole sequence is unbounded (as mha takes 2**40): no halo for it
+    seqlen = q.shape[1] * world_size
+    left, right = (-1 if side >= seqlen - 1 else side for side in (left, right))
     if left < 0 and right in (-1, 0):  # no window, or causal's: the ring
         from cute_attn.distributed.ring import DenseSteps, Ring, RingAttention
 
@@ -180,5 +191,6 @@ def ulysses_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     from cute_attn.distributed.ulysses import ulysses_forward
 
-    out, lse = ulysses_forward(q, k, v, group, local, layout, bool(causal), scale, tuple(window_size), float(softcap))
+    out, lse = ulysses_forward(q, k, v, group, local, layout, bool(causal), scale, tuple(window_size), float(softcap),
+                               need_lse=bool(return_lse))
     return (out, lse) if return_lse else out

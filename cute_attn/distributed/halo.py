@@ -121,4 +121,4 @@ class HaloAttention(torch.autograd.Function):
         halo, local, scale, softcap, window = ctx.settings
         dq, dk, dv = local.block_backward(dout, q, kv[0], kv[1], out, lse, False, scale, softcap, window)
         dkv = halo.scatter_add(torch.stack([dk, dv]).float())
-        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None

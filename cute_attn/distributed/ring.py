@@ -131,8 +131,8 @@ def ring_forward(q, k, v, ring: Ring, steps):
         if pending is not None:
             kv, works = pending
             ring.wait(works)
-    out_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
-    return o_part[:batch].to(out_dtype), lse_part[:batch].clone()
+    # a copy either way (a float32 view would keep both slots alive)
+    return o_part[:batch].to(q.dtype, copy=True), lse_part[:batch].clone()
 
 
 def ring_backward(dout, q, k, v, out, lse, ring: Ring, steps):
@@ -152,12 +152,14 @@ def ring_backward(dout, q, k, v, out, lse, ring: Ring, steps):
             dq[:, rows] += dq_step
             dkv[0][:, keys] += dk_step
             dkv[1][:, keys] += dv_step
-        dkv_pending = ring.start(dkv)
+        if ring.world_size > 1:  # (one rank: its own accumulators, nothing to send)
+            dkv_pending = ring.start(dkv)
         if kv_pending is not None:
             kv, works = kv_pending
             ring.wait(works)
-    dkv, works = dkv_pending  # this rank's own shard's, after a full turn
-    ring.wait(works)
+    if dkv_pending is not None:  # this rank's own shard's, after a full turn
+        dkv, works = dkv_pending
+        ring.wait(works)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

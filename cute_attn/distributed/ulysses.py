@@ -68,11 +68,14 @@ class Reshard(torch.autograd.Function):
         return inverse(grad.contiguous(), group, layout), None, None, None, None
 
 
-def ulysses_forward(q, k, v, group, local, layout, causal, scale, window_size, softcap):
-    """(out, lse) of this rank's shard, differentiable in q, k, v through the exchanges."""
+def ulysses_forward(q, k, v, group, local, layout, causal, scale, window_size, softcap, need_lse=True):
+    """(out, lse) of this rank's shard, differentiable in q, k, v through the exchanges
+    (lse None unless need_lse: its exchange is skipped)."""
     qh, kh, vh = (Reshard.apply(t, seq_to_heads, heads_to_seq, group, layout) for t in (q, k, v))
     out, lse = local.attention(qh, kh, vh, causal, scale, window_size, softcap)
     out = Reshard.apply(out, heads_to_seq, seq_to_heads, group, layout)
+    if not need_lse:
+        return out, None
     # lse (batch, heads / W, seqlen) through the same exchange as a (batch, seqlen, heads / W) tensor
     lse = heads_to_seq(lse.detach().transpose(1, 2).contiguous(), group, layout).transpose(1, 2).contiguous()
     return out, lse
