@@ -162,7 +162,7 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_bad_arguments_raise_before_any_exchange(one_rank_group):
+def test_bad_arguments_raise_clear_errors(one_rank_group):
     q = torch.randn(1, 8, 2, 16)
     local = cp.ReferenceAttention()
     with pytest.raises(ValueError, match="contiguous"):
@@ -220,6 +220,7 @@ _RING_CASES = [
     Case("ring", "zigzag", True, documents=(16, 8, 0, 24)),
     Case("ring", "contiguous", True, documents=(8, 32, 8), heads_kv=1),
     Case("ring", "zigzag", False, documents=(24, 16), softcap=5.0),
+    Case("ring", "zigzag", True, scale=0.3, bf16_on_cpu=True),  # bf16 shards, fp32 dK/dV in flight
 ]
 _ULYSSES_CASES = [
     Case("ulysses", "zigzag", True),  # 2 KV heads: copied per rank at 4 ranks
