@@ -12,7 +12,8 @@ Two variants:
     elements per rank, W - 1 times forward (twice that, plus fp32 gradients, backward).
     With a sliding window (contiguous layout) the ranks the window does not reach are
     skipped: each rank fetches only the neighbouring shards its window covers and runs
-    one windowed call (halo.py).
+    one windowed call (halo.py). ring_mha_varlen: packed documents, each split over the
+    ranks, one varlen call per step (layout.varlen_task).
   * ulysses_mha (ulysses.py): all-to-all re-shards to whole sequences of heads / W heads,
     whole attention runs locally, with every feature of `mha` (windows included). Moves
     about (q + k + v + out) x (W - 1) / W of the local shard per forward, independent of
@@ -20,8 +21,8 @@ Two variants:
     W, or dividing it: then KV heads are copied per rank) and a whole sequence's K/V per
     rank.
 Which to pick (`choose_variant`): a window shorter than a shard, the ring (its halo moves
-one or two neighbours' K/V, less than Ulysses' all-to-alls); otherwise Ulysses when the
-head counts divide by the world size (fewer bytes moved, one kernel launch per pass); the
+one or two neighbours' K/V, less than Ulysses' all-to-alls); otherwise Ulysses when it
+takes the head counts (fewer bytes moved, one kernel launch per pass); the
 ring otherwise, or when one rank cannot hold the whole sequence of its heads. Measured
 (perf/results/*-cp.json, 2 x H100, 256K causal): both at 0.96-0.98 forward+backward
 parallel efficiency.
