@@ -238,6 +238,8 @@ def with_extras(features: AttnFeatures, mask_mod, score_mod, sink: bool, dropout
 
 def _checked_dropout_p(dropout_p, dropout_seed) -> float:
     """dropout_p as a float in [0, 1), and dropout_seed an int32 (2,) tensor or None."""
+    if dropout_seed is None and dropout_p == 0.0 and type(dropout_p) is float:
+        return 0.0  # the common call: nothing more to check on the per-call path
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
     dropout_p = float(dropout_p)

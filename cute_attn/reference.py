@@ -99,6 +99,50 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None, upcast=True,
     return out, lse.squeeze(-1)
 
 
+def grads_from_lse(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
+                   visible=None, keep_factor=None):
+    """(dq, dk, dv) in float32 from the forward's out and lse, in closed form: the
+    backward kernels' math, not autograd (it also serves where no graph is recorded: an
+    op's kernel below the autograd key, a context-parallel step whose lse is the whole
+    row's).
+
+        P = exp(S - lse) on the visible pairs (0 on rows with lse = -inf)
+        dV = (P f)^T dO,  dP = dO V^T,  D = rowsum(dO * O),  dS = P (dP f - D)
+        dQ = dS K scale,  dK = dS^T Q scale   (times 1 - tanh^2 through a softcap)
+
+    S is the capped, scaled score; the mask is causal / window_size as attention_ref's,
+    or `visible`, a bool tensor broadcasting to (batch, heads, seqlen_q, seqlen_k) (a
+    mask mod's dense mask). keep_factor: dropout's keep mask times 1 / (1 - p), the
+    same shape (None: no dropout). GQA: dK, dV summed over each KV head's group.
+    """
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    group = h // hk
+    do, qf = dout.float(), q.float()
+    kf, vf = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
+    if softcap > 0:
+        tanh = torch.tanh(s / softcap)
+        s = softcap * tanh
+    p = torch.exp(s - lse.float().unsqueeze(-1))
+    if visible is None:
+        visible = visible_keys(sq, sk, causal=causal, window_size=window_size, device=q.device)
+    if visible is not None:
+        p = p.masked_fill(~visible, 0.0)
+    p = torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
+    factor = 1.0 if keep_factor is None else keep_factor
+    dv = torch.einsum("bhqk,bqhd->bkhd", p * factor, do)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
+    big_d = (do * out.float()).sum(-1).transpose(1, 2).unsqueeze(-1)
+    ds = p * (dp * factor - big_d)
+    if softcap > 0:
+        ds = ds * (1 - tanh * tanh)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * softmax_scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * softmax_scale
+    dk, dv = (t.reshape(b, sk, hk, group, d).sum(3) for t in (dk, dv))
+    return dq, dk, dv
+
+
 def attention_ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
                          softmax_scale=None, upcast=True, window_size=(-1, -1), softcap=0.0):
     """attention_ref over a packed batch of variable-length sequences.

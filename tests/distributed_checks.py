@@ -196,8 +196,9 @@ def _ring_direct(case: Case, tensors, rank: int, world_size: int, ring, local):
                             [x // world_size for x in _cu_seqlens(case)], q.device)
     else:
         steps = DenseSteps(local, case.layout, case.causal, scale, case.softcap, rank, qs.shape[1])
-    out, lse = ring_forward(qs, ks, vs, ring, steps)
-    grads = ring_backward(dos, qs, ks, vs, out, lse, ring, steps)
+    kv = torch.stack([ks, vs])
+    out, lse = ring_forward(qs, kv, ring, steps)
+    grads = ring_backward(dos, qs, kv, out, lse, ring, steps)
     results = (out, lse, *grads)
     return tuple(t[0] for t in results) if case.documents else results
 

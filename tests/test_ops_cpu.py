@@ -18,7 +18,7 @@ import cute_attn.api as api
 import cute_attn.ops as ops
 import cute_attn.validation as validation
 from cpu_standin import LauncherTrap, ref_kwargs
-from cute_attn.reference import attention_ref, attention_ref_varlen, visible_keys
+from cute_attn.reference import attention_ref, attention_ref_varlen, grads_from_lse
 
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
                  "test_aot_dispatch_dynamic")
@@ -71,31 +71,12 @@ class StandInLauncher:
 
 
 def _ref_grads(dout, q, k, v, *, causal, softmax_scale, window_size, softcap):
-    """attention_ref's (dq, dk, dv) in closed form, in float32. Not autograd: a kernel may
-    run below the autograd dispatch key (AOT's compiled backward), where no graph is
-    recorded."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    group = h // hk
-    do, qf = dout.float(), q.float()
-    kf, vf = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
-    if softcap > 0:
-        tanh = torch.tanh(s / softcap)
-        s = softcap * tanh
-    visible = visible_keys(sq, sk, causal=causal, window_size=window_size)
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: 0
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-    dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
-    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-    if softcap > 0:
-        ds = ds * (1 - tanh * tanh)
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * softmax_scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * softmax_scale
-    dk, dv = (t.reshape(b, sk, hk, group, d).sum(3) for t in (dk, dv))
-    return dq, dk, dv
+    """attention_ref's (dq, dk, dv) in closed form, in float32 (reference.grads_from_lse
+    on attention_ref's out and lse). Not autograd: a kernel may run below the autograd
+    dispatch key (AOT's compiled backward), where no graph is recorded."""
+    kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    out, lse = attention_ref(q, k, v, **kwargs)
+    return grads_from_lse(dout, q, k, v, out, lse, **kwargs)
 
 
 _registered_for_cpu = []

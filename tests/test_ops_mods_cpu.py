@@ -18,6 +18,7 @@ from cute_attn import block_mask as bm
 from cute_attn import masks
 from cute_attn.dropout import dropout_mask, keep_scale
 from cute_attn.mask_reference import attention_ref_mod, dense_mask
+from cute_attn.reference import grads_from_lse
 from test_ops_cpu import OPCHECK_UTILS, SIX, CountingBackend, assert_bitwise_twins, assert_one_graph_calling, ops_mha
 
 
@@ -68,28 +69,14 @@ def _keep(q, k, args):
 
 
 def _grads_from_lse(dout, q, k, v, out, lse, scale, mask_mod, keep=None, dropout_p=0.0):
-    """The kernels' backward in closed form: P = exp(S - lse) (a sink is in lse), dS =
-    P (dP k - D) with D = dO . O and k = keep / (1 - p) (1 without dropout), dV from P k.
-    Not autograd: an op's kernel runs below the autograd key."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    group = h // hk
-    do, qf = dout.float(), q.float()
-    kf, vf = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-    p = torch.exp(s - lse.unsqueeze(-1))
-    if mask_mod is not None:
-        p = p.masked_fill(~dense_mask(mask_mod, b, h, sq, sk), 0.0)
-    p = torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))
-    factor = 1.0 if keep is None else keep * keep_scale(dropout_p)
-    dv = torch.einsum("bhqk,bqhd->bkhd", p * factor, do)
-    dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
-    big_d = (do * out.float()).sum(-1).transpose(1, 2).unsqueeze(-1)
-    ds = p * (dp * factor - big_d)
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
-    dk, dv = (t.reshape(b, sk, hk, group, d).sum(3) for t in (dk, dv))
-    return tuple(g.to(t.dtype).contiguous() for g, t in zip((dq, dk, dv), (q, k, v)))
+    """The kernels' backward in closed form (reference.grads_from_lse) with the mod's
+    dense mask and dropout's keep / (1 - p); a sink is in lse. Not autograd: an op's
+    kernel runs below the autograd key."""
+    b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+    visible = None if mask_mod is None else dense_mask(mask_mod, b, h, sq, k.shape[1])
+    factor = None if keep is None else keep * keep_scale(dropout_p)
+    grads = grads_from_lse(dout, q, k, v, out, lse, softmax_scale=scale, visible=visible, keep_factor=factor)
+    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
 
 
 _registered = []
@@ -339,12 +326,7 @@ def test_compile_fullgraph_dropout_equals_eager(stand_in):
             out = compiled(*leaves)
             torch.manual_seed(123)
             out2 = attend(*twins)
-            dout = torch.randn_like(out)
-            out.backward(dout)
-            out2.backward(dout)
-            torch.testing.assert_close(out, out2, rtol=0, atol=0)
-            for t, t2 in zip(leaves, twins):
-                torch.testing.assert_close(t.grad, t2.grad, rtol=0, atol=0)
+            assert_bitwise_twins((out,), (out2,), leaves, twins)
             assert stand_in.fwd_calls[-1]["features"].dropout
         assert_one_graph_calling(backend, "fwd_mods", "bwd_mods")
     finally:

@@ -77,25 +77,8 @@ class ReferenceAttention:
                                        window_size=window)
 
     def block_backward(self, dout, q, k, v, out, lse, causal, scale, softcap, window=(-1, -1)):
-        group = q.shape[2] // k.shape[2]
-        qf, kf, vf = q.float(), k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
-        raw = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-        scores = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
-        visible = reference.visible_keys(q.shape[1], k.shape[1], causal=causal, window_size=window, device=q.device)
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        p = torch.exp(scores - lse.float()[..., None])  # (b, h, q, k): the block's slice of the softmax
-        do = dout.float()
-        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-        dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
-        d = (do * out.float()).sum(-1).transpose(1, 2)  # (b, h, q): rowsum(dO * O) of the whole row
-        ds = p * (dp - d[..., None])
-        if softcap > 0:
-            ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
-        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
-        dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
-        b, sk, hk, hd = k.shape
-        return dq, dk.view(b, sk, hk, group, hd).sum(3), dv.view(b, sk, hk, group, hd).sum(3)
+        return reference.grads_from_lse(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
+                                        window_size=window, softcap=softcap)
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, softcap):
         return reference.attention_ref_varlen(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale,

@@ -105,11 +105,11 @@ class VarlenSteps:
         return (everything, everything, *(g[None] for g in grads))
 
 
-def ring_forward(q, k, v, ring: Ring, steps):
-    """(out, lse) of this rank's queries over the whole sequence: out in q's dtype (the
-    reference's float32 stays float32), lse float32 (batch, heads, seqlen_local)."""
+def ring_forward(q, kv, ring: Ring, steps):
+    """(out, lse) of this rank's queries over the whole sequence: out in q's dtype, lse
+    float32 (batch, heads, seqlen_local). kv: this rank's K and V stacked, (2, batch,
+    seqlen_local, heads_kv, head_dim): one message per step."""
     batch, seqlen, heads, head_dim = q.shape
-    kv = torch.stack([k, v])  # one message per step
     # slot 0 (rows 0..batch-1): the running result; slot 1: the step's partial
     o_part = q.new_empty((2 * batch, seqlen, heads, head_dim), dtype=torch.float32)
     lse_part = q.new_empty((2 * batch, heads, seqlen), dtype=torch.float32)
@@ -135,9 +135,8 @@ def ring_forward(q, k, v, ring: Ring, steps):
     return o_part[:batch].to(q.dtype, copy=True), lse_part[:batch].clone()
 
 
-def ring_backward(dout, q, k, v, out, lse, ring: Ring, steps):
-    """(dq, dk, dv) of this rank's shards, in their dtypes."""
-    kv = torch.stack([k, v])
+def ring_backward(dout, q, kv, out, lse, ring: Ring, steps):
+    """(dq, dk, dv) of this rank's shards, in their dtypes (kv as ring_forward's)."""
     dq = torch.zeros_like(q, dtype=torch.float32)
     dkv = torch.zeros_like(kv, dtype=torch.float32)  # the held K/V shard's accumulators
     dkv_pending = None
@@ -160,20 +159,21 @@ def ring_backward(dout, q, k, v, out, lse, ring: Ring, steps):
     if dkv_pending is not None:  # this rank's own shard's, after a full turn
         dkv, works = dkv_pending
         ring.wait(works)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype)
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, steps):
-        out, lse = ring_forward(q, k, v, ring, steps)
-        ctx.save_for_backward(q, k, v, out, lse)
+        kv = torch.stack([k, v])  # stacked once, kept for the backward
+        out, lse = ring_forward(q, kv, ring, steps)
+        ctx.save_for_backward(q, kv, out, lse)
         ctx.settings = (ring, steps)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.settings)
+        q, kv, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, kv, out, lse, *ctx.settings)
         return dq, dk, dv, None, None
