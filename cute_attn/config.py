@@ -256,6 +256,10 @@ class FwdConfig(_WarpSpecialized):
     # boxes, each from the page the table names: one box per block when a page holds whole
     # blocks, tile_n / page_size boxes when a block spans pages. 0: contiguous.
     page_size: int = 0
+    # The softmax's row sums as pairwise trees (blocks/softmax.OnlineSoftmax.step) instead
+    # of the ordered reduction's chain of dependent adds. Measured per head dim and mask
+    # (_fwd_tile_config): ptxas hides the chain behind the exp2s in most kernels.
+    tree_row_sums: bool = False
 
     @property
     def kv_box_rows(self) -> int:
@@ -357,7 +361,10 @@ def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
         # H200 (8K: 647/601 vs 572/583 TF/s); with the window-aware mainloop on an H100 it
         # lost 13-16% (causal 4K: 484 vs 558, 8K: 501 vs 582; GQA 32/8 at 8K: 542 vs 611,
         # same process as FA4 at 581 / 609 / 617). perf/NOTES.md has the A/B.
-        cfg = FwdConfig(tile_m=128, tile_n=128, num_stages=2)
+        # Tree row sums: +2.6 / +3.0 / +5.7% at 16K without a mask in three H100 runs,
+        # -0.5..+1.3% causal; hd 64 lost 1-4% with them, hd 256 and FP8 moved +-2%
+        # (perf/NOTES.md, session 13).
+        cfg = FwdConfig(tile_m=128, tile_n=128, num_stages=2, tree_row_sums=features.mask == "none")
     elif head_dim <= 192:
         cfg = FwdConfig(tile_m=128, tile_n=96, num_stages=2)
     else:

@@ -20,6 +20,15 @@ from cute_attn.blocks.mma_sm90 import acc_as_rows_cols
 from cute_attn.blocks.staged import Staged
 
 
+def tree_sum(values: list):
+    """Pairwise sum (plain Python, unrolled at trace time): depth log2(n) instead of the
+    n-long chain of dependent adds that an ordered vector reduction compiles to."""
+    while len(values) > 1:
+        paired = [values[i] + values[i + 1] for i in range(0, len(values) - 1, 2)]
+        values = paired + values[len(paired) * 2:]
+    return values[0]
+
+
 class ScoreScale(NamedTuple):
     """How raw scores S = q k^T become the exponent of exp2, shared by every kernel that
     forms a softmax (forward, backward, decode): the natural-log scale folded into one
@@ -49,16 +58,22 @@ class OnlineSoftmax(Staged):
     they stay normal down to 2^-14). The row sums carry the same factor, so O's
     normalisation cancels it; the LSE takes it back out."""
 
-    def __init__(self, scale_log2: Float32, num_rows: int, p_log2_offset: cutlass.Constexpr[float] = 0.0):
+    def __init__(self, scale_log2: Float32, num_rows: int, p_log2_offset: cutlass.Constexpr[float] = 0.0,
+                 tree_row_sums: cutlass.Constexpr[bool] = False):
         self.scale_log2 = scale_log2
         self.p_log2_offset = p_log2_offset
+        self.tree_row_sums = tree_row_sums  # see step
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
         """Turn raw scores S (in place) into P = exp2(S * scale_log2 - max) and return, per
-        row, the factor by which the O accumulated so far must be rescaled."""
+        row, the factor by which the O accumulated so far must be rescaled.
+
+        tree_row_sums: a row's sum as a pairwise tree (depth log2 n) rather than the
+        vector reduction, which compiles to n dependent adds in order (perf/NOTES.md,
+        session 13, has what each form measured)."""
         S = acc_as_rows_cols(acc_S)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
@@ -72,19 +87,25 @@ class OnlineSoftmax(Staged):
             if cutlass.const_expr(self.p_log2_offset != 0.0):
                 max_scaled = max_scaled - self.p_log2_offset
             p_row = cute.math.exp2(s_row * self.scale_log2 - max_scaled, fastmath=True)
+            S[r, None].store(p_row)
             if cutlass.const_expr(is_first):
                 row_scale[r] = 1.0
-                self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             else:
                 # an old max of -inf (nothing seen yet) gives exp2(-inf) = 0 exactly; using
                 # the safe 0 there would overflow to inf when the new max is very negative,
                 # and inf * (sum 0) = NaN
                 row_scale[r] = cute.math.exp2((self.row_max[r] - safe_max) * self.scale_log2, fastmath=True)
-                self.row_sum[r] = p_row.reduce(
-                    cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
-                )
+            if cutlass.const_expr(self.tree_row_sums):
+                total = tree_sum([S[r, c] for c in range(cute.size(S.shape[1]))])
+                if cutlass.const_expr(is_first):
+                    self.row_sum[r] = total
+                else:
+                    self.row_sum[r] = self.row_sum[r] * row_scale[r] + total
+            elif cutlass.const_expr(is_first):
+                self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            else:
+                self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0)
             self.row_max[r] = new_max
-            S[r, None].store(p_row)
         return row_scale
 
     @cute.jit

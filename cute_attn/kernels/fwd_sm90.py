@@ -202,6 +202,7 @@ class FlashFwdSm90:
         self.pack_gqa = config.pack_gqa
         self.split_kv = config.split_kv
         self.page_size = config.page_size
+        self.tree_row_sums = config.tree_row_sums
         self.kv_box_rows = config.kv_box_rows
         assert self.page_size == 0 or features.kv_lengths, "a paged cache needs kv_lengths"
         assert not self.fp8 or (self.page_size == 0 and not self.split_kv and self.tile_n % 32 == 0)
@@ -550,7 +551,7 @@ class FlashFwdSm90:
             p_log2_offset = FP8_P_LOG2_OFFSET
         softmax = OnlineSoftmax(
             score.scale_log2, num_rows=cute.size(acc_O.shape[0][1]) * cute.size(acc_O.shape[1]),
-            p_log2_offset=p_log2_offset,
+            p_log2_offset=p_log2_offset, tree_row_sums=self.tree_row_sums,
         )
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
