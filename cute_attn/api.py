@@ -146,8 +146,7 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     dropout_p = _checked_dropout_p(dropout_p, dropout_seed)
     if q_descale is not None or k_descale is not None or v_descale is not None \
             or getattr(q, "dtype", None) is FP8:
-        if dropout_p:
-            raise NotImplementedError("dropout_p has no FP8 kernel yet")
+        _refuse_fp8_extras(dropout_p, mask_mod, score_mod, aux_tensors, block_mask, learnable_sink)
         descales = (q_descale, k_descale, v_descale)
         policy, no_kernel = validate_fp8_fwd_inputs(q, k, v, descales, out_dtype, softmax_scale, softcap)
         scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
@@ -165,13 +164,29 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
+def _refuse_fp8_extras(dropout_p, mask_mod=None, score_mod=None, aux_tensors=(), block_mask=None, sink=None):
+    """The FP8 forward is the dense kernel's: what only the mods' kernel has is an error
+    there, never silently dropped."""
+    extras = {"dropout_p": bool(dropout_p), "mask_mod": mask_mod is not None, "score_mod": score_mod is not None,
+              "aux_tensors": bool(aux_tensors), "block_mask": block_mask is not None,
+              "learnable_sink": sink is not None}
+    named = [name for name, given in extras.items() if given]
+    if named:
+        raise NotImplementedError(f"{', '.join(named)}: no FP8 kernel yet (the FP8 forward is the dense one)")
+
+
 def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask, return_lse,
-              deterministic, no_kernel, sink=None, dropout=(0.0, None)):
+              deterministic, no_kernel, sink=None, dropout=(0.0, None), varlen=None):
     """Attention with mask/score mods, a sink and/or dropout (kernels/fwd_sm90.
     FlashFwdSm90Mods, and under autograd kernels/bwd_sm90.FlashBwdSm90Mods). dropout:
-    (dropout_p, dropout_seed) as _checked_dropout_p left them."""
+    (dropout_p, dropout_seed) as _checked_dropout_p left them; varlen: mha_varlen's
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), for a sink and dropout
+    (mha_varlen takes no mods)."""
     from cute_attn.masks import Modifier
 
+    if varlen is not None and not no_kernel and _traced(q):
+        raise NotImplementedError("mha_varlen with learnable_sink or dropout_p has no torch.compile op yet: "
+                                  "call it eagerly")
     has_mods = mask_mod is not None or score_mod is not None
     if has_mods and (causal or window != _NO_WINDOW or softcap != 0.0):
         raise ValueError("mask_mod/score_mod replace causal, window_size and softcap: write them as mods "
@@ -196,7 +211,7 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
             if t.device != q.device:
                 raise ValueError(f"{mod.name}'s aux tensor {i} is on {t.device}, q on {q.device}")
     # the mods replace the mask kind (then "none"); a sink alone keeps causal/window/softcap
-    features, run_args = _features_and_args(causal, window, softcap, scale)
+    features, run_args = _features_and_args(causal, window, softcap, scale, varlen)
     dropout_p, dropout_seed = dropout
     features = with_extras(features, mask, score, sink is not None, dropout_p > 0)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
@@ -261,7 +276,7 @@ def _checked_sink(sink, q):
     a 16-bit parameter stays differentiable)."""
     if not isinstance(sink, Tensor):
         raise TypeError(f"learnable_sink must be a torch.Tensor, got {type(sink).__name__}")
-    heads = q.shape[2]
+    heads = q.shape[-2]  # (batch, seqlen, heads, d), or varlen's (total, heads, d)
     if sink.dim() != 1 or sink.shape[0] != heads:
         raise ValueError(f"learnable_sink must have shape (nheads,) = ({heads},), got {tuple(sink.shape)}")
     if sink.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -277,7 +292,8 @@ def _mods_forward(q, k, v, settings, sink, need_lse=True):
     if settings.no_kernel:
         out, lse = _outputs_without_kernel(q, settings.features)
         if sink is not None and lse.numel():
-            lse = sink.detach()[None, :, None].expand_as(lse).contiguous()
+            per_head = sink.detach()[:, None] if settings.features.varlen else sink.detach()[None, :, None]
+            lse = per_head.expand_as(lse).contiguous()
         return out, lse
     mask, score, block_mask = settings.mods
     return _launcher().run_fwd_mods(q, k, v, settings.features, settings.run_args, mask, score, block_mask,
@@ -291,7 +307,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                softcap: float = ..., return_lse: Literal[False] = ..., deterministic: bool = ...,
                check_cu_seqlens: Optional[bool] = ..., q_descale: Optional[Tensor] = ...,
                k_descale: Optional[Tensor] = ..., v_descale: Optional[Tensor] = ...,
-               out_dtype: Optional[torch.dtype] = ...) -> Tensor: ...
+               out_dtype: Optional[torch.dtype] = ..., learnable_sink: Optional[Tensor] = ...,
+               dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> Tensor: ...
 @overload
 def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
@@ -299,7 +316,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                softcap: float = ..., return_lse: Literal[True], deterministic: bool = ...,
                check_cu_seqlens: Optional[bool] = ..., q_descale: Optional[Tensor] = ...,
                k_descale: Optional[Tensor] = ..., v_descale: Optional[Tensor] = ...,
-               out_dtype: Optional[torch.dtype] = ...) -> _TensorPair: ...
+               out_dtype: Optional[torch.dtype] = ..., learnable_sink: Optional[Tensor] = ...,
+               dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> _TensorPair: ...
 @overload
 def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
@@ -307,7 +325,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                softcap: float = ..., return_lse: bool, deterministic: bool = ...,
                check_cu_seqlens: Optional[bool] = ..., q_descale: Optional[Tensor] = ...,
                k_descale: Optional[Tensor] = ..., v_descale: Optional[Tensor] = ...,
-               out_dtype: Optional[torch.dtype] = ...) -> Union[Tensor, _TensorPair]: ...
+               out_dtype: Optional[torch.dtype] = ..., learnable_sink: Optional[Tensor] = ...,
+               dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> Union[Tensor, _TensorPair]: ...
 
 
 def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -316,7 +335,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                softcap: float = 0.0, return_lse: bool = False, deterministic: bool = False,
                check_cu_seqlens: Optional[bool] = None, q_descale: Optional[Tensor] = None,
                k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
-               out_dtype: Optional[torch.dtype] = None) -> Union[Tensor, _TensorPair]:
+               out_dtype: Optional[torch.dtype] = None, learnable_sink: Optional[Tensor] = None,
+               dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None) -> Union[Tensor, _TensorPair]:
     """mha over a packed batch of variable-length sequences, differentiable.
 
     Args:
@@ -336,8 +356,13 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
             graph is being captured. True: the same, an error under capture; False:
             never, and offsets that break these rules leave rows of out unwritten or
             mix sequences.
+        learnable_sink, dropout_p, dropout_seed: as in `mha`, forward and backward; the
+            dropout mask of sequence b is the one `mha` draws for batch entry b with the
+            same seed (dropout_mask(seed, b, ...), positions counted within the sequence).
+            Not with FP8, nor under torch.compile yet (an error says so).
         Everything else as in `mha` (FP8 too: descales (batch, nheads_kv) with batch the
-            number of sequences); masks are bottom-right aligned per sequence.
+            number of sequences); masks are bottom-right aligned per sequence. No
+            mask/score mods here yet.
 
     Returns:
         out (total_q, nheads, headdim) like q, or (out, lse) with lse float32
@@ -349,6 +374,7 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     """
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
+    dropout_p = _checked_dropout_p(dropout_p, dropout_seed)
     if check_cu_seqlens is not False and _without_values(cu_seqlens_q, cu_seqlens_k):
         # traced (torch.compile) or fake offsets have no values to read
         if check_cu_seqlens:
@@ -360,6 +386,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
         check_cu_seqlens = False
     descales = (q_descale, k_descale, v_descale)
     fp8 = any(d is not None for d in descales) or getattr(q, "dtype", None) is FP8
+    if fp8:
+        _refuse_fp8_extras(dropout_p, sink=learnable_sink)
     validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale, check_cu_seqlens, softcap=softcap,
                                fp8=(descales, out_dtype) if fp8 else None)
@@ -376,6 +404,10 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     if fp8:
         policy = FP8_POLICY_OF_OUTPUT[out_dtype or torch.bfloat16]
         return _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel)
+    if learnable_sink is not None or dropout_p:
+        return _run_mods(q, k, v, causal, window, softcap, scale, None, None, (), None, return_lse, deterministic,
+                         no_kernel, learnable_sink, (dropout_p, dropout_seed),
+                         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 

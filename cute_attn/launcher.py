@@ -513,21 +513,23 @@ def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs
 
 def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score_mod, block_mask=None,
                  need_lse: bool = True, sink=None):
-    """The forward with mods on validated dense inputs: mask_mod, score_mod masks.Modifier
-    or None (their specs are features'), block_mask a block_mask.BlockMask for mask_mod
-    at this shape (None: built once per (mask, shape) and cached), sink float32 (heads,)
+    """The forward with mods on validated inputs: mask_mod, score_mod masks.Modifier or
+    None (their specs are features'), block_mask a block_mask.BlockMask for mask_mod at
+    this shape (None: built once per (mask, shape) and cached), sink float32 (heads,)
     logits when features.sink (args then may carry a mask kind's window and a softcap).
+    Packed varlen inputs (features.varlen) carry a sink and/or dropout, no mods.
     Returns (out, lse)."""
     head_dim = q.shape[-1]
     config = fwd_config_for(head_dim, features)  # the mods' tiles (the block mask's), or a sink's dense ones
     fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config))
-    lists, aux = _mod_arguments(q, k, config.tile_m, config.tile_n, mask_mod, score_mod, block_mask)
     out, lse = _outputs(q, features, need_lse)
-    unused = _unused_cu_seqlens(q.device)
+    q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
+    out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
+    lists, aux = _mod_arguments(q4, k4, config.tile_m, config.tile_n, mask_mod, score_mod, block_mask)
     if sink is None:
         sink = _placeholder(q.device, (1,)).view(torch.float32)
-    fn(q, k, v, out, lse, unused, unused, *lists, aux, sink, *_dropout_arguments(q.device, args), 0,
-       args.softmax_scale, args.softcap, args.window[0], args.window[1])
+    fn(q4, k4, v4, out4, lse3, cu_q, cu_k, *lists, aux, sink, *_dropout_arguments(q.device, args),
+       args.max_seqlen_q, args.softmax_scale, args.softcap, args.window[0], args.window[1])
     return out, (lse if need_lse else None)
 
 
@@ -1067,7 +1069,22 @@ def run_bwd(
     post(dq_accum, dq4, cu_q, args.max_seqlen_q, args.softmax_scale)
     if sink is None:
         return dq, dk, dv
+    if features.varlen:
+        d = dsum[0][:, _padded_rows(args.cu_seqlens_q, lse_in.shape[-1], tile_m)]  # (heads, total_q)
+        return dq, dk, dv, _sink_grad(d[None], lse_in[None], sink)
     return dq, dk, dv, _sink_grad(dsum[..., :lse_in.shape[-1]], lse_in, sink)
+
+
+def _padded_rows(cu_seqlens_q: torch.Tensor, total_q: int, tile_m: int) -> torch.Tensor:
+    """Row of each packed query in the backward's per-sequence padded statistics
+    (blocks/seqlen.py: sequence b starts at (cu_seqlens_q[b] + b * tile_m) // tile_m *
+    tile_m): device ops only, no host sync."""
+    token = torch.arange(total_q, device=cu_seqlens_q.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens_q[1:], token, right=True)  # sequence of each token
+    start = cu_seqlens_q[:-1].long()
+    batch = torch.arange(start.shape[0], device=start.device)
+    padded_start = (start + batch * tile_m) // tile_m * tile_m
+    return token.long() + (padded_start - start)[seq]
 
 
 def _sink_grad(d: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

@@ -126,3 +126,52 @@ def test_dropout_kernels_compile():
     _, main, _ = compile_bwd(BwdKey("bf16", 128, features, bwd_config_for(128, features), False), "--keep-ptx")
     for ptx in (fwd, main.__ptx__):
         assert "wgmma.mma_async" in ptx and ptx.count("mul.wide.u32") >= 20
+
+
+def _varlen_qkv():
+    q, k, v = (fake_cuda(torch.randn(70, 2, 64, dtype=torch.bfloat16)) for _ in range(3))
+    cu = fake_cuda(torch.tensor([0, 30, 70], dtype=torch.int32))
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(dropout_p=1.0), ValueError, r"in \[0, 1\)"),
+    (dict(dropout_p=0.1, dropout_seed=torch.zeros(3, dtype=torch.int32)), ValueError, "int32 tensor of shape"),
+    (dict(learnable_sink=torch.zeros(3)), ValueError, r"shape \(nheads,\) = \(2,\)"),
+    (dict(learnable_sink=torch.zeros(2, dtype=torch.int32)), TypeError, "float32, bfloat16 or float16"),
+    (dict(learnable_sink=torch.zeros(2)), ValueError, "learnable_sink is on cpu"),
+])
+def test_varlen_rejects_bad_sink_and_dropout_arguments(kwargs, error, match, monkeypatch):
+    monkeypatch.setattr(cute_attn.api, "_launcher_module", LauncherTrap(" on bad varlen sink/dropout arguments"))
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    q, k, v, cu = _varlen_qkv()
+    with pytest.raises(error, match=match):
+        cute_attn.mha_varlen(q, k, v, cu, cu, 40, 40, check_cu_seqlens=False, **kwargs)
+
+
+def test_padded_rows_follow_the_backward_statistics_layout():
+    """launcher._padded_rows: sequence b's rows start at (cu[b] + b * tile_m) // tile_m *
+    tile_m (blocks/seqlen.py), computed per token on the device side."""
+    from cute_attn.launcher import _padded_rows
+
+    lengths, tile_m = [5, 0, 130, 1, 64], 64
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    rows = _padded_rows(cu, int(cu[-1]), tile_m).tolist()
+    expect = [(int(cu[b]) + b * tile_m) // tile_m * tile_m + i for b, n in enumerate(lengths) for i in range(n)]
+    assert rows == expect
+    assert len(set(rows)) == len(rows) and max(rows) < int(cu[-1]) + len(lengths) * tile_m
+
+
+def test_varlen_sink_and_dropout_kernels_compile():
+    """Packed sequences through the mods' entry points compile on the CPU (sm_90a): a
+    sink alone (forward; its backward is the dense varlen one) and dropout with a sink,
+    forward and backward."""
+    from cute_attn.config import AttnFeatures, bwd_config_for, fwd_config_for
+    from cute_attn.launcher import BwdKey, FwdKey, compile_bwd, compile_fwd
+
+    for features in (AttnFeatures(mask="causal", varlen=True, sink=True),
+                     AttnFeatures(mask="local", varlen=True, sink=True, dropout=True)):
+        fwd = compile_fwd(FwdKey("bf16", 128, features, fwd_config_for(128, features)), "--keep-ptx").__ptx__
+        assert "wgmma.mma_async" in fwd and "FlashFwdSm90Mods" in fwd
+    _, main, _ = compile_bwd(BwdKey("bf16", 128, features, bwd_config_for(128, features), False), "--keep-ptx")
+    assert "wgmma.mma_async" in main.__ptx__ and main.__ptx__.count("mul.wide.u32") >= 20

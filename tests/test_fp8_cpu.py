@@ -382,3 +382,18 @@ def test_hadamard_rotation_keeps_scores(d):
     assert torch.equal(v8, quantize_fp8(q, k, v)[2])  # v is not rotated
     with pytest.raises(ValueError, match="power-of-two head dim"):
         quantize_fp8(*(torch.randn(1, 4, 1, 96) for _ in range(3)), rotate=True)
+
+
+@pytest.mark.parametrize("extra", [dict(learnable_sink=torch.zeros(4)), dict(dropout_p=0.1),
+                                   dict(mask_mod="m"), dict(score_mod="s"), dict(block_mask="b")])
+def test_fp8_refuses_what_only_the_mods_kernel_has(extra):
+    """A sink, dropout or mods with FP8 inputs: an error naming them, never dropped."""
+    q8, k8, v8 = _fp8_qkv()
+    name = next(iter(extra))
+    with pytest.raises(NotImplementedError, match=f"{name}: no FP8 kernel yet"):
+        cute_attn.mha(q8, k8, v8, **extra)
+    if name in ("learnable_sink", "dropout_p"):
+        q8, k8, v8 = (t[0] for t in _fp8_qkv(b=1, sq=30, sk=40))
+        cu_q, cu_k = torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 15, 40], dtype=torch.int32)
+        with pytest.raises(NotImplementedError, match=f"{name}: no FP8 kernel yet"):
+            cute_attn.mha_varlen(q8, k8, v8, cu_q, cu_k, 20, 25, **extra)

@@ -391,6 +391,106 @@ def test_sink_rows_that_see_no_key_and_a_dominant_sink():
     assert out[:, :, 1].abs().max() < 1e-20  # head 1: the sink takes all the weight
 
 
+# Packed sequences (mha_varlen) with a sink and/or dropout: lengths of 1 to 519, a query
+# sequence longer than its keys, one with no keys and one with no queries, GQA
+VARLEN_LENGTHS_Q = [1, 130, 0, 519, 77, 6]
+VARLEN_LENGTHS_K = [1, 200, 33, 519, 64, 0]
+VARLEN_CASES = {"causal_sink": (True, True, 0.0), "sink_dropout": (False, True, 0.2),
+                "causal_dropout": (True, False, 0.3)}
+
+
+def _packed(lengths, h, d, gen):
+    t = torch.randn(sum(lengths), h, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    return t, cu
+
+
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_varlen_sink_and_dropout_forward_and_backward(name):
+    """mha_varlen with learnable_sink / dropout_p against the fp32 reference of each
+    sequence alone (its dropout mask is dropout_mask's entry b: sequence b is keyed like
+    mha's batch entry b), out, lse, dq, dk, dv per sequence and the sink's gradient over
+    all of them; outputs poisoned first."""
+    causal, with_sink, p = VARLEN_CASES[name]
+    h, h_kv, d = 4, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(len(name))
+    q, cu_q = _packed(VARLEN_LENGTHS_Q, h, d, gen)
+    k, cu_k = _packed(VARLEN_LENGTHS_K, h_kv, d, gen)
+    v, _ = _packed(VARLEN_LENGTHS_K, h_kv, d, gen)
+    sink = torch.randn(h, device="cuda", generator=gen) * 2 if with_sink else None
+    seed = _seed(7, len(name))
+    kw = dict(causal=causal, learnable_sink=sink, dropout_p=p, dropout_seed=seed if p else None)
+    args = (cu_q, cu_k, max(VARLEN_LENGTHS_Q), max(VARLEN_LENGTHS_K))
+    poison_allocator(q.numel() * q.element_size(), q.numel() // d * 4)
+    out, lse = cute_attn.mha_varlen(q, k, v, *args, return_lse=True, **kw)
+    assert out.shape == q.shape and lse.shape == (h, q.shape[0])
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=q.dtype)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if with_sink else [])
+    out_g = cute_attn.mha_varlen(*leaves[:3], *args, **{**kw, "learnable_sink": leaves[3] if with_sink else None})
+    grads = torch.autograd.grad(out_g, leaves, dout)
+    assert torch.equal(out_g, out), "the autograd forward differs from the plain one"
+    mask = masks.causal() if causal else None
+    sink32, sink_lp = (None, None) if not with_sink else (sink.clone().requires_grad_() for _ in range(2))
+    loss32 = loss_lp = 0.0
+    for b, (lq, lk) in enumerate(zip(VARLEN_LENGTHS_Q, VARLEN_LENGTHS_K)):
+        rq, rk = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
+        if lq == 0:
+            continue
+        if lk == 0:  # every row sees no key: out = 0, lse = the sink (or -inf), zero gradients
+            assert not out[rq].any() and not grads[0][rq].any()
+            expect = sink[:, None].expand(h, lq) if with_sink else torch.full((h, lq), float("-inf"), device="cuda")
+            if with_sink:  # (top + log2(sum)) * ln 2 in float32: the sink to rounding
+                assert torch.allclose(lse[:, rq], expect)
+            else:
+                assert torch.equal(lse[:, rq], expect)
+            continue
+        qb, kb, vb, db = (t[r][None] for t, r in ((q, rq), (k, rk), (v, rk), (dout, rq)))
+        drop = (cute_attn.dropout_mask(seed, b + 1, h, lq, lk, p)[b:b + 1], p) if p else None
+        out_ref, lse_ref = attention_ref_mod(qb, kb, vb, mask_mod=mask, sink=sink, **_ref_kwargs(drop))
+        out_lp = _reference_lowp(qb, kb, vb, mask, None, sink, drop)
+        err, err_torch = ((o[0].float() - out_ref[0]).abs().max().item() for o in (out[rq][None], out_lp))
+        assert err <= 2 * err_torch + OUT_FLOOR, f"seq {b} out: {err:.3g} > 2 x {err_torch:.3g}"
+        empty = torch.isneginf(lse_ref[0])
+        assert torch.equal(torch.isneginf(lse[:, rq]), empty)
+        assert (lse[:, rq][~empty] - lse_ref[0][~empty]).abs().max().item() <= LSE_ATOL, f"seq {b} lse"
+        _check_grads(qb, kb, vb, db, tuple(g[r][None] for g, r in zip(grads[:3], (rq, rk, rk))), mask_mod=mask,
+                     sink=sink, drop=drop)
+        if with_sink:
+            ref32 = attention_ref_mod(*(t.float() for t in (qb, kb, vb)), mask_mod=mask, sink=sink32,
+                                      **_ref_kwargs(drop))[0]
+            loss32 = loss32 + (ref32 * db.float()).sum()
+            loss_lp = loss_lp + (_reference_lowp(qb, kb, vb, mask, None, sink_lp, drop).float() * db.float()).sum()
+    if with_sink:
+        (g32,), (glp,) = torch.autograd.grad(loss32, sink32), torch.autograd.grad(loss_lp, sink_lp)
+        err, err_torch = (grads[3] - g32).abs().max().item(), (glp - g32).abs().max().item()
+        bound = 2 * err_torch + GRAD_FLOOR * max(1.0, g32.abs().max().item())
+        assert err <= bound, f"dsink: {err:.3g} > {bound:.3g} (torch {err_torch:.3g})"
+
+
+def test_varlen_dropout_equals_dense_batch():
+    """Equal lengths packed: mha_varlen with dropout draws the dense batch's masks
+    (sequence b = batch entry b), so out, dk and dv equal mha's bit for bit (dq sums by
+    atomics, in any order: to rounding)."""
+    b, s, h, d, p = 3, 257, 2, 64, 0.25
+    q, k, v = _inputs(b, s, s, h, h, d, seed=12)
+    dout = torch.randn_like(q)
+    seed = _seed(3, 9)
+    cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
+    dense = _kernel_grads(q, k, v, dout, causal=True, dropout_p=p, dropout_seed=seed)
+    flat = [t.reshape(b * s, h, d) for t in (q, k, v, dout)]
+    packed = _kernel_grads_varlen(*flat, cu, s, causal=True, dropout_p=p, dropout_seed=seed)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), (dense[0], *dense[1]), (packed[0], *packed[1])):
+        exact = name != "dq"
+        torch.testing.assert_close(x.reshape(y.shape), y, atol=0 if exact else 1e-3, rtol=0 if exact else 1e-2,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def _kernel_grads_varlen(q, k, v, dout, cu, max_seqlen, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = cute_attn.mha_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+    return out, torch.autograd.grad(out, (q, k, v), dout)
+
+
 # ----------------------------------------------------------------------------------------
 # Dropout: the kernels' Philox, the mask they apply, forward and backward
 # ----------------------------------------------------------------------------------------
