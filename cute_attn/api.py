@@ -184,9 +184,6 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
     (mha_varlen takes no mods)."""
     from cute_attn.masks import Modifier
 
-    if varlen is not None and not no_kernel and _traced(q):
-        raise NotImplementedError("mha_varlen with learnable_sink or dropout_p has no torch.compile op yet: "
-                                  "call it eagerly")
     has_mods = mask_mod is not None or score_mod is not None
     if has_mods and (causal or window != _NO_WINDOW or softcap != 0.0):
         raise ValueError("mask_mod/score_mod replace causal, window_size and softcap: write them as mods "
@@ -359,7 +356,7 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
         learnable_sink, dropout_p, dropout_seed: as in `mha`, forward and backward; the
             dropout mask of sequence b is the one `mha` draws for batch entry b with the
             same seed (dropout_mask(seed, b, ...), positions counted within the sequence).
-            Not with FP8, nor under torch.compile yet (an error says so).
+            Traced by torch.compile through cute_attn::fwd_varlen_mods; not with FP8.
         Everything else as in `mha` (FP8 too: descales (batch, nheads_kv) with batch the
             number of sequences); masks are bottom-right aligned per sequence. No
             mask/score mods here yet.

@@ -1,6 +1,6 @@
 """The kernels as torch.library custom ops, for torch.compile, torch.export and FakeTensorMode.
 
-Eight ops in the namespace `cute_attn`, each with a fake (meta) implementation that only
+Ten ops in the namespace `cute_attn`, each with a fake (meta) implementation that only
 allocates outputs shaped and laid out as the launcher's, and the forwards differentiable
 through `register_autograd`:
 
@@ -24,6 +24,13 @@ through `register_autograd`:
     cute_attn::bwd_mods(dout, q, k, v, out, lse, Tensor[] aux, Tensor? sink,
                         Tensor? dropout_seed, float dropout_p, str mods, <the six>)
                         -> (dq, dk, dv, dsink)
+    cute_attn::fwd_varlen_mods(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, Tensor? sink, Tensor? dropout_seed,
+                               float dropout_p, <the six>) -> (out, lse)
+    cute_attn::bwd_varlen_mods(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, Tensor? sink,
+                               Tensor? dropout_seed, float dropout_p, <the six>)
+                               -> (dq, dk, dv, dsink)
 
 The mods' ops (mask/score mods, attention sinks) name their mods by the digests of their
 specs, "mask/score" ("" for none): a mod is a compile-time constant of its kernel, not a
@@ -32,7 +39,8 @@ tensor, so the op carries a string and the real implementation finds the functio
 first). block_mask is a BlockMask's four lists (checked against the call while tracing)
 or empty (the launcher builds and caches one); sink the (heads,) float32 logits or None;
 bwd_mods returns the sink's gradient (empty without a sink: an op returns no None);
-dropout_seed the Philox key (int32 (2,)) with dropout_p > 0, else None.
+dropout_seed the Philox key (int32 (2,)) with dropout_p > 0, else None. The varlen mods'
+ops carry a sink and dropout for packed batches (mha_varlen takes no mods yet).
 
 The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
 builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
@@ -60,7 +68,7 @@ from cute_attn import validation
 from cute_attn.validation import _layout_problem, prepare_dout
 
 __all__ = ["attention", "attention_kvcache", "attention_mods", "fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_kvcache",
-           "kv_append", "fwd_mods", "bwd_mods"]
+           "kv_append", "fwd_mods", "bwd_mods", "fwd_varlen_mods", "bwd_varlen_mods"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -184,13 +192,14 @@ def _kv_append_impl(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cach
 
 
 def _unpack_mods(mods: str, aux, sink, dropout_seed, dropout_p, mask, softmax_scale, softcap, window_left,
-                 window_right):
+                 window_right, varlen=None):
     """(features, run_args, mask_mod, score_mod) of a mods op: _unpack's, with the mods
     found by their digests (masks.Modifier.by_digest) and bound to aux (the mask mod's
-    first), the sink's flag and the dropout; as api._run_mods built them."""
+    first), the sink's flag and the dropout; as api._run_mods built them. varlen: as
+    _unpack's (the varlen mods' ops: mods "/", no aux)."""
     from cute_attn.masks import Modifier
 
-    features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right)
+    features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right, varlen)
     mask_digest, score_digest = mods.split("/")
     bound, start = [], 0
     for digest in (mask_digest, score_digest):
@@ -241,6 +250,33 @@ def _bwd_mods_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     return (*grads, lse.new_empty(0)) if sink is None else grads
 
 
+def _fwd_varlen_mods_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                          max_seqlen_q: int, max_seqlen_k: int, sink: Optional[Tensor], dropout_seed: Optional[Tensor],
+                          dropout_p: float, mask: str, softmax_scale: float, softcap: float, window_left: int,
+                          window_right: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a validated packed batch with a sink and/or dropout; lse (heads, total_q)."""
+    _check_pointers("q", q, "k", k, "v", v)
+    features, run_args, _, _ = _unpack_mods("/", [], sink, dropout_seed, dropout_p, mask, softmax_scale, softcap,
+                                            window_left, window_right,
+                                            (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return api._launcher().run_fwd_mods(q, k, v, features, run_args, None, None, sink=sink)
+
+
+def _bwd_varlen_mods_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          sink: Optional[Tensor], dropout_seed: Optional[Tensor], dropout_p: float, mask: str,
+                          softmax_scale: float, softcap: float, window_left: int, window_right: int,
+                          deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsink) of fwd_varlen_mods's (out, lse); dsink empty without a sink."""
+    _check_pointers("q", q, "k", k, "v", v, "out", out)
+    features, run_args, _, _ = _unpack_mods("/", [], sink, dropout_seed, dropout_p, mask, softmax_scale, softcap,
+                                            window_left, window_right,
+                                            (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    grads = api._launcher().run_bwd(_aligned_dout(dout, q), q, k, v, out, lse, features, run_args,
+                                    deterministic=deterministic, sink=sink)
+    return (*grads, lse.new_empty(0)) if sink is None else grads
+
+
 # The ops run their real implementations on CUDA tensors only (the CPU tests register
 # the same functions for the CPU, with a stand-in launcher)
 fwd = torch.library.custom_op("cute_attn::fwd", _fwd_impl, mutates_args=(), device_types="cuda")
@@ -255,6 +291,10 @@ kv_append = torch.library.custom_op("cute_attn::kv_append", _kv_append_impl, mut
                                     device_types="cuda")
 fwd_mods = torch.library.custom_op("cute_attn::fwd_mods", _fwd_mods_impl, mutates_args=(), device_types="cuda")
 bwd_mods = torch.library.custom_op("cute_attn::bwd_mods", _bwd_mods_impl, mutates_args=(), device_types="cuda")
+fwd_varlen_mods = torch.library.custom_op("cute_attn::fwd_varlen_mods", _fwd_varlen_mods_impl, mutates_args=(),
+                                          device_types="cuda")
+bwd_varlen_mods = torch.library.custom_op("cute_attn::bwd_varlen_mods", _bwd_varlen_mods_impl, mutates_args=(),
+                                          device_types="cuda")
 
 
 # ----------------------------------------------------------------------------------------
@@ -295,6 +335,13 @@ def _(q, k, v, aux, block_mask, sink, dropout_seed, dropout_p, mods, mask, softm
     return _fake_out(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
+@fwd_varlen_mods.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, dropout_seed, dropout_p, mask,
+      softmax_scale, softcap, window_left, window_right, deterministic):
+    total_q, heads, _ = q.shape
+    return _fake_out(q), q.new_empty((heads, total_q), dtype=torch.float32)
+
+
 @kv_append.register_fake
 def _(k, v, k_cache, v_cache, cache_seqlens, page_table):
     return torch.empty_like(cache_seqlens)
@@ -311,6 +358,13 @@ bwd_varlen.register_fake(_fake_grads)
 
 @bwd_mods.register_fake
 def _(dout, q, k, v, out, lse, aux, sink, dropout_seed, dropout_p, mods, *six):
+    dsink = lse.new_empty(0) if sink is None else torch.empty_like(sink)
+    return (*_fake_grads(dout, q, k, v), dsink)
+
+
+@bwd_varlen_mods.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, dropout_seed,
+      dropout_p, *six):
     dsink = lse.new_empty(0) if sink is None else torch.empty_like(sink)
     return (*_fake_grads(dout, q, k, v), dsink)
 
@@ -374,9 +428,30 @@ def _backward_fwd_mods(ctx, dout, _dlse):
     return (dq, dk, dv, no_aux, no_lists, dsink, None) + (None,) * len(ctx.params)
 
 
+_VARLEN_MODS_TENSORS = 8  # q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink; then the rest
+
+
+def _setup_fwd_varlen_mods(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, sink, dropout_seed = inputs[:_VARLEN_MODS_TENSORS + 1]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sink, dropout_seed)
+    ctx.maxima = (max_q, max_k)
+    ctx.params = inputs[_VARLEN_MODS_TENSORS + 1:]
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_fwd_varlen_mods(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, sink, dropout_seed = ctx.saved_tensors
+    want_sink = sink is not None and ctx.needs_input_grad[7]
+    dq, dk, dv, dsink = bwd_varlen_mods(prepare_dout(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.maxima,
+                                        sink if want_sink else None, dropout_seed, *ctx.params)
+    return (dq, dk, dv, None, None, None, None, dsink if want_sink else None, None) + (None,) * len(ctx.params)
+
+
 fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
 fwd_mods.register_autograd(_backward_fwd_mods, setup_context=_setup_fwd_mods)
 fwd_varlen.register_autograd(_backward_fwd_varlen, setup_context=_setup_fwd_varlen)
+fwd_varlen_mods.register_autograd(_backward_fwd_varlen_mods, setup_context=_setup_fwd_varlen_mods)
 
 
 # ----------------------------------------------------------------------------------------
@@ -412,6 +487,10 @@ def attention_mods(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_
     from cute_attn import block_mask as bm
     from cute_attn.config import mod_fwd_config_for
 
+    if features.varlen:  # a sink and/or dropout (mha_varlen takes no mods)
+        return fwd_varlen_mods(q, k, v, run_args.cu_seqlens_q, run_args.cu_seqlens_k, run_args.max_seqlen_q,
+                               run_args.max_seqlen_k, sink, run_args.dropout_seed, run_args.dropout_p,
+                               *_pack(features, run_args), deterministic)
     lists = []
     if block_mask is not None:
         config = mod_fwd_config_for(q.shape[-1])

@@ -274,17 +274,18 @@ def test_fake_autograd(monkeypatch, no_data_ptr, kwargs):
             assert (t.grad.shape, t.grad.stride(), t.grad.dtype) == (t.shape, t.stride(), t.dtype)
 
 
-def test_fake_varlen_sink_and_dropout_are_refused(fake_sm90, no_data_ptr):
-    """mha_varlen with a sink or dropout has no custom op yet: traced, an error says so
-    (before a dropout seed is drawn or a kernel is reached)."""
+def test_fake_varlen_sink_and_dropout_reach_the_varlen_mods_op(fake_sm90, no_data_ptr):
+    """mha_varlen with a sink or dropout on fake tensors: the varlen mods' fake
+    implementation, (heads, total_q) lse, no launcher."""
     with FakeTensorMode():
         q = torch.empty(700, 8, 64, dtype=torch.bfloat16, device="cuda")
         k, v = (torch.empty(900, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         cu_q, cu_k = (torch.empty(4, dtype=torch.int32, device="cuda") for _ in range(2))
         sink = torch.empty(8, device="cuda")
-        for kwargs in (dict(learnable_sink=sink), dict(dropout_p=0.1)):
-            with pytest.raises(NotImplementedError, match="no torch.compile op yet"):
-                api.mha_varlen(q, k, v, cu_q, cu_k, 400, 500, causal=True, **kwargs)
+        seed = torch.empty(2, dtype=torch.int32, device="cuda")
+        for kwargs in (dict(learnable_sink=sink), dict(dropout_p=0.1, dropout_seed=seed)):
+            out, lse = api.mha_varlen(q, k, v, cu_q, cu_k, 400, 500, causal=True, return_lse=True, **kwargs)
+            assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (8, 700), torch.float32)
 
 
 def test_fake_varlen(fake_sm90, no_data_ptr):

@@ -38,6 +38,8 @@ class ModsStandIn:
     def run_fwd_mods(self, q, k, v, features, args, mask_mod, score_mod, block_mask=None, need_lse=True, sink=None):
         assert score_mod is None, "the stand-in's backward has no score-mod derivative"
         self.fwd_calls.append(dict(features=features, args=args, mask=mask_mod, block_mask=block_mask, sink=sink))
+        if features.varlen:
+            return self._varlen_fwd(q, k, v, features, args, sink)
         if block_mask is not None:
             config = __import__("cute_attn.config", fromlist=["x"]).mod_fwd_config_for(q.shape[-1])
             bm.check_block_mask(block_mask, mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
@@ -51,6 +53,8 @@ class ModsStandIn:
     def run_bwd(self, dout, q, k, v, out, lse, features, args, deterministic=False, config=None, mods=None,
                 sink=None):
         self.bwd_calls.append(dict(features=features, mods=mods, sink=sink))
+        if features.varlen:
+            return self._varlen_bwd(dout, q, k, v, out, lse, features, args, sink)
         mask_mod = self._mask(features, None if mods is None else mods[0])
         grads = _grads_from_lse(dout, q, k, v, out, lse, args.softmax_scale, mask_mod, _keep(q, k, args),
                                 args.dropout_p)
@@ -61,11 +65,49 @@ class ModsStandIn:
         return (*grads, launcher_module._sink_grad(d, lse, sink))
 
 
-def _keep(q, k, args):
-    """The dropout mask of a call (None without dropout)."""
+    @staticmethod
+    def _sequences(args):
+        """Per packed sequence b: (b, query rows, key rows) as slices (the stand-in reads the
+        offsets; the kernels take them on the device)."""
+        cu_q, cu_k = args.cu_seqlens_q.tolist(), args.cu_seqlens_k.tolist()
+        return [(b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)]
+
+    def _varlen_fwd(self, q, k, v, features, args, sink):
+        """mha_varlen's sink and dropout, one sequence at a time; sequence b draws
+        dropout_mask's entry b."""
+        out = torch.zeros_like(q)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+        for b, rq, rk in self._sequences(args):
+            qb, kb, vb = q[rq][None], k[rk][None], v[rk][None]
+            o, l = attention_ref_mod(qb, kb, vb, mask_mod=self._mask(features, None), softmax_scale=args.softmax_scale,
+                                     sink=sink, dropout_keep=_keep(qb, kb, args, b), dropout_p=args.dropout_p)
+            out[rq] = o[0].to(out.dtype)
+            lse[:, rq] = l[0]
+        return out, lse
+
+    def _varlen_bwd(self, dout, q, k, v, out, lse, features, args, sink):
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for b, rq, rk in self._sequences(args):
+            per_seq = _grads_from_lse(dout[rq][None], q[rq][None], k[rk][None], v[rk][None], out[rq][None],
+                                      lse[:, rq][None], args.softmax_scale, self._mask(features, None),
+                                      _keep(q[rq][None], k[rk][None], args, b), args.dropout_p)
+            for g, part, r in zip(grads, per_seq, (rq, rk, rk)):
+                g[r] = part[0]
+        if sink is None:
+            return tuple(grads)
+        d = (dout.float() * out.float()).sum(-1).t()  # (heads, total_q), the preprocess kernel's D
+        return (*grads, launcher_module._sink_grad(d[None], lse[None], sink))
+
+
+def _keep(q, k, args, entry=None):
+    """The dropout mask of a call (None without dropout); entry: a packed sequence's
+    index (q, k its rows as a batch of one), whose mask is dropout_mask's entry b."""
     if args.dropout_seed is None:
         return None
-    return dropout_mask(args.dropout_seed, q.shape[0], q.shape[2], q.shape[1], k.shape[1], args.dropout_p)
+    if entry is None:
+        return dropout_mask(args.dropout_seed, q.shape[0], q.shape[2], q.shape[1], k.shape[1], args.dropout_p)
+    full = dropout_mask(args.dropout_seed, entry + 1, q.shape[2], q.shape[1], k.shape[1], args.dropout_p)
+    return full[entry:entry + 1]
 
 
 def _grads_from_lse(dout, q, k, v, out, lse, scale, mask_mod, keep=None, dropout_p=0.0):
@@ -85,7 +127,9 @@ _registered = []
 @pytest.fixture
 def stand_in(monkeypatch):
     if not _registered:
-        for name, impl in (("fwd_mods", ops._fwd_mods_impl), ("bwd_mods", ops._bwd_mods_impl)):
+        for name, impl in (("fwd_mods", ops._fwd_mods_impl), ("bwd_mods", ops._bwd_mods_impl),
+                           ("fwd_varlen_mods", ops._fwd_varlen_mods_impl),
+                           ("bwd_varlen_mods", ops._bwd_varlen_mods_impl)):
             torch.library.register_kernel(f"cute_attn::{name}", "cpu", impl)
         _registered.append(True)
     launcher = ModsStandIn()
@@ -345,3 +389,102 @@ def test_closed_form_grads_with_dropout_are_autograds():
                           masks.causal(), keep, 0.3)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# mha_varlen with a sink and/or dropout: cute_attn::fwd_varlen_mods / bwd_varlen_mods
+# ----------------------------------------------------------------------------------------
+
+
+def test_varlen_mods_schemas():
+    fwd = str(torch.ops.cute_attn.fwd_varlen_mods.default._schema)
+    bwd = str(torch.ops.cute_attn.bwd_varlen_mods.default._schema)
+    varlen = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k"
+    extras = "Tensor? sink, Tensor? dropout_seed, float dropout_p"
+    assert fwd == f"cute_attn::fwd_varlen_mods(Tensor q, Tensor k, Tensor v, {varlen}, {extras}, {SIX}) -> (Tensor, Tensor)"
+    assert bwd == (f"cute_attn::bwd_varlen_mods(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                   f"{varlen}, {extras}, {SIX}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _packed(lengths_q, lengths_k, h, h_kv, d=64, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(sum(lengths_q), h, d, generator=g) * 0.7).to(dtype)
+    k, v = ((torch.randn(sum(lengths_k), h_kv, d, generator=g) * 0.7).to(dtype) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0] + n).cumsum(0).to(torch.int32) for n in (lengths_q, lengths_k))
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("case", ["sink_causal", "dropout", "sink_dropout_causal"])
+def test_opcheck_varlen_mods(stand_in, case):
+    h, h_kv = 4, 2
+    q, k, v, cu_q, cu_k = _packed([3, 0, 9], [5, 2, 9], h, h_kv, seed=4)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sink = torch.randn(h).requires_grad_() if "sink" in case else None
+    seed = torch.tensor([7, -3], dtype=torch.int32) if "dropout" in case else None
+    features, run_args = api._features_and_args("causal" in case, api._NO_WINDOW, 0.0, 64 ** -0.5)
+    args = (cu_q, cu_k, 9, 9, sink, seed, 0.25 if seed is not None else 0.0, *ops._pack(features, run_args), False)
+    torch.library.opcheck(torch.ops.cute_attn.fwd_varlen_mods.default, (q, k, v, *args), test_utils=OPCHECK_UTILS)
+    out, lse = (t.detach() for t in torch.ops.cute_attn.fwd_varlen_mods(q.detach(), k.detach(), v.detach(), *args))
+    assert out.shape == q.shape and lse.shape == (h, q.shape[0])
+    bwd_args = (*args[:4], None if sink is None else sink.detach(), *args[5:])
+    torch.library.opcheck(torch.ops.cute_attn.bwd_varlen_mods.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, *bwd_args),
+                          test_utils=OPCHECK_UTILS)
+
+
+def test_compile_fullgraph_varlen_sink_and_dropout_no_recompile(stand_in):
+    """mha_varlen with a learnable sink and dropout under torch.compile(fullgraph=True,
+    dynamic=True): one graph calling fwd_varlen_mods / bwd_varlen_mods for three batches
+    of lengths, outputs and gradients (the sink's too) bit-equal to eager calls after
+    the same manual_seed (the seed is drawn inside the graph)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend = CountingBackend()
+    h = 2
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, sink):
+        return api.mha_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, learnable_sink=sink, dropout_p=0.2,
+                              check_cu_seqlens=False)
+
+    compiled = torch.compile(attend, backend=backend, fullgraph=True, dynamic=True)
+    try:
+        for lengths in ([5, 11], [7, 0, 13], [4, 9, 2, 6]):
+            q, k, v, cu_q, cu_k = _packed(lengths, lengths, h, h, seed=len(lengths), dtype=torch.bfloat16)
+            leaves = [t.requires_grad_() for t in (q, k, v, torch.randn(h))]
+            twins = [t.detach().clone().requires_grad_() for t in leaves]
+            offsets = (cu_q, cu_k, max(lengths), max(lengths))
+            torch.manual_seed(5)
+            out = compiled(*leaves[:3], *offsets, leaves[3])
+            torch.manual_seed(5)
+            out2 = attend(*twins[:3], *offsets, twins[3])
+            assert_bitwise_twins((out,), (out2,), leaves, twins)
+            assert stand_in.fwd_calls[-1]["features"].varlen and stand_in.fwd_calls[-1]["features"].dropout
+        assert_one_graph_calling(backend, "fwd_varlen_mods", "bwd_varlen_mods")
+    finally:
+        torch._dynamo.reset()
+
+
+def test_varlen_stand_in_is_the_reference_per_sequence(stand_in):
+    """The varlen stand-in's forward and closed-form backward against autograd through
+    attention_ref_mod on each sequence (a sink, dropout, causal), so the op tests above
+    compare against the right thing."""
+    h = 2
+    q, k, v, cu_q, cu_k = _packed([4, 7], [6, 7], h, h, seed=9)
+    sink = torch.randn(h)
+    seed = torch.tensor([2, 8], dtype=torch.int32)
+    features, args = api._features_and_args(True, api._NO_WINDOW, 0.0, 64 ** -0.5, (cu_q, cu_k, 7, 7))
+    features = api.with_extras(features, None, None, True, True)
+    args = args._replace(dropout_p=0.3, dropout_seed=seed)
+    out, lse = stand_in.run_fwd_mods(q, k, v, features, args, None, None, sink=sink)
+    dout = torch.randn_like(out)
+    got = stand_in.run_bwd(dout, q, k, v, out, lse, features, args, sink=sink)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    for b, rq, rk in ModsStandIn._sequences(args):
+        keep = _keep(leaves[0][rq][None], leaves[1][rk][None], args, b)
+        o, l = attention_ref_mod(leaves[0][rq][None], leaves[1][rk][None], leaves[2][rk][None], mask_mod=masks.causal(),
+                                 sink=leaves[3], dropout_keep=keep, dropout_p=0.3)
+        torch.testing.assert_close(out[rq], o[0].detach())
+        torch.testing.assert_close(lse[:, rq], l[0].detach())
+        (o[0] * dout[rq]).sum().backward()
+    for g, leaf in zip(got, leaves):
+        torch.testing.assert_close(g, leaf.grad, rtol=1e-4, atol=1e-5)
