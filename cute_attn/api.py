@@ -105,7 +105,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             compiles once, new lengths or aux values never recompile. A mod replaces
             causal / window_size / softcap (write them as mods: masks.causal(),
             masks.and_masks(...)). Forward and backward (the backward differentiates
-            score_mod itself, masks.Dual; not with deterministic=True), dense batches.
+            score_mod itself, masks.Dual; deterministic=True orders dQ by the block
+            mask's turns), dense batches.
         aux_tensors: tensors a plain-function mod reads as seq.aux[i] (the built-ins
             carry their own); on q's device.
         block_mask: cute_attn.create_block_mask(mask_mod, ...) for this shape, built
@@ -213,9 +214,6 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
     features = with_extras(features, mask, score, sink is not None, dropout_p > 0)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or (sink is not None and sink.requires_grad))
-    if needs_grad and deterministic and has_mods:
-        raise NotImplementedError("deterministic=True has no backward with mask/score mods yet (its dQ order "
-                                  "assumes contiguous tile ranges, a block mask's lists are not)")
     if dropout_p:
         if needs_grad and (softcap or score is not None):
             raise NotImplementedError("dropout_p with softcap or a score_mod has no backward yet (their derivative "

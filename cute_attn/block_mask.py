@@ -49,7 +49,9 @@ class BlockMask(NamedTuple):
     (B', H', tiles_m, tiles_n), the first count entries of a row are KV tiles, last to
     first; the rest -1. B' is batch or 1 (the mod ignores b), H' heads or 1.
     transposed (the backward's): per KV tile its query tiles, first to last, so the
-    lists are (B', H', tiles_n[, tiles_m])."""
+    lists are (B', H', tiles_n[, tiles_m]); dq_turn then int32 (B', H', tiles_n,
+    tiles_m): how many KV tiles before n visit query tile m, the turn at which KV tile n
+    adds its dQ there in the deterministic backward (None in a forward mask)."""
 
     partial_count: torch.Tensor
     partial_idx: torch.Tensor
@@ -63,12 +65,17 @@ class BlockMask(NamedTuple):
     tile_n: int
     mod_key: tuple
     transposed: bool = False
+    dq_turn: Optional[torch.Tensor] = None
 
     def kernel_tensors(self):
         """The four lists expanded to (batch, heads, ...) (stride 0 where B' or H' is 1)."""
         b, h = self.batch, self.heads
         return (self.partial_count.expand(b, h, -1), self.partial_idx.expand(b, h, -1, -1),
                 self.full_count.expand(b, h, -1), self.full_idx.expand(b, h, -1, -1))
+
+    def dq_turns(self) -> torch.Tensor:
+        """dq_turn expanded to (batch, heads, tiles_n, tiles_m), as the backward takes it."""
+        return self.dq_turn.expand(self.batch, self.heads, -1, -1)
 
     def classes(self) -> torch.Tensor:
         """int8 (B', H', tiles_m, tiles_n) of EMPTY / PARTIAL / FULL (for tests and plots)."""
@@ -156,12 +163,16 @@ def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: 
         # length that is not a multiple of tile_n cannot be FULL
         last = classes[..., -1]
         last[last == FULL] = PARTIAL
+    dq_turn = None
     if transposed:
         classes = classes.transpose(-1, -2)
+        # exclusive count over the KV tiles (dim -2 now) that visit each query tile
+        visits = (classes != EMPTY).to(torch.int32)
+        dq_turn = (visits.cumsum(dim=-2, dtype=torch.int32) - visits).contiguous()
     partial_count, partial_idx = _lists(classes, PARTIAL, descending=not transposed)
     full_count, full_idx = _lists(classes, FULL, descending=not transposed)
     return BlockMask(partial_count, partial_idx, full_count, full_idx, batch, heads, seqlen_q, seqlen_k,
-                     tile_m, tile_n, mod.key, transposed)
+                     tile_m, tile_n, mod.key, transposed, dq_turn)
 
 
 _cache: "OrderedDict[tuple, BlockMask]" = OrderedDict()

@@ -191,10 +191,11 @@ def _fake_any_strides(dtype, shape, name, align=4):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=strides, assumed_align=align)
 
 
-def _fake_block_mask_and_aux(features: AttnFeatures, n: "_Symbols"):
+def _fake_block_mask_and_aux(features: AttnFeatures, n: "_Symbols", transposed: bool = False):
     """The mod kernels' extra arguments: a block mask's four int32 lists (any strides: a
     mask that ignores the batch or head is expanded with stride 0; (batch, heads, outer
-    tiles[, inner tiles]), forward or transposed alike) and the mods' aux tensors (the
+    tiles[, inner tiles]), forward or transposed alike), the backward's (transposed)
+    fifth, its dQ turns (batch, heads, outer, inner), and the mods' aux tensors (the
     dtype and rank each mod was keyed with; one int32 stand-in when there are none)."""
     import cutlass
     import cutlass.cute as cute
@@ -204,6 +205,8 @@ def _fake_block_mask_and_aux(features: AttnFeatures, n: "_Symbols"):
              _fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer, inner), "partial_idx"),
              _fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer), "full_count"),
              _fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer, inner), "full_idx"))
+    if transposed:
+        lists += (_fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer, inner), "dq_turn"),)
     signature = [sig for mod in (features.mask_mod, features.score_mod) if mod is not None
                  for sig in mod.aux_signature] or [(torch.int32, 1)]
     aux = tuple(
@@ -535,7 +538,8 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
 
 def _mod_arguments(q, k, tile_m, tile_n, mask_mod, score_mod, block_mask=None, transposed=False):
     """The mod kernels' block-mask lists (block_mask checked, or built and cached at these
-    tiles; transposed for the backward) and aux tensors (the mask mod's first)."""
+    tiles; transposed for the backward, with its dQ turns as a fifth) and aux tensors
+    (the mask mod's first)."""
     from cute_attn import block_mask as bm
 
     batch, seqlen_q, heads = q.shape[:3]
@@ -546,10 +550,12 @@ def _mod_arguments(q, k, tile_m, tile_n, mask_mod, score_mod, block_mask=None, t
                                               transposed)
         else:
             bm.check_block_mask(block_mask, mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n)
-        lists = block_mask.kernel_tensors()
+        lists = block_mask.kernel_tensors() + ((block_mask.dq_turns(),) if transposed else ())
     else:  # a score mod alone visits every tile: the lists are never read
         unused = _placeholder(q.device, (1, 1, 1, 1))
         lists = (unused[..., 0].expand(batch, heads, 1), unused.expand(batch, heads, 1, 1)) * 2
+        if transposed:
+            lists += (unused.expand(batch, heads, 1, 1),)
     aux = tuple(t for mod in (mask_mod, score_mod) if mod is not None for t in mod.aux)
     return lists, aux or (_unused_cu_seqlens(q.device),)
 
@@ -971,7 +977,7 @@ def _fake_bwd_args(key: BwdKey):
     max_seqlen, scale, softcap, wl, wr = _fake_run_args()
     main = (q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, cu_q, cu_k)
     if key.features.mod_kernel:
-        lists, aux = _fake_block_mask_and_aux(key.features, n)
+        lists, aux = _fake_block_mask_and_aux(key.features, n, transposed=True)
         main = (*main, *lists, aux, *_fake_dropout_args(), max_seqlen, scale, softcap, wl, wr, stream)
     else:
         main = (*main, max_seqlen, scale, softcap, wl, wr, stream)
@@ -1019,7 +1025,7 @@ def run_bwd(
     """Gradients (dq, dk, dv) of the forward that produced (out, lse), each laid out like
     its input. dout must be TMA-addressable like q (validation.prepare_dout). features and
     args as for run_fwd; mods: (mask_mod, score_mod) masks.Modifier or None, as for
-    run_fwd_mods (dense inputs, not deterministic); the backward's block mask is built
+    run_fwd_mods (dense inputs); the backward's block mask (with its dQ turns) is built
     and cached here. sink: the forward's (heads,) float32 sink logits, whose gradient is
     then returned too: (dq, dk, dv, dsink)."""
     head_dim = q.shape[-1]

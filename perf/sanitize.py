@@ -119,6 +119,11 @@ CASES = (
     Case("sink-dropout-causal-gqa", nheads=4, nheads_kv=2, causal=True, extra={"sink": True, "dropout": 0.2}),
     Case("mods-bd3lm-dropout-hd64", head_dim=64, seqlen_q=302, seqlen_k=302, extra={"mods": "bd3lm", "dropout": 0.1}),
     Case("dropout-hd256-window", head_dim=256, window_size=(64, 32), extra={"dropout": 0.3}),
+    # packed sequences with a sink and dropout; the deterministic backward's block-mask turns
+    Case("varlen-sink-dropout-gqa", nheads=4, nheads_kv=2, causal=True, lengths=((0, 40), (150, 200), (277, 129)),
+         extra={"sink": True, "dropout": 0.2}),
+    Case("mods-bd3lm-deterministic-gqa", seqlen_q=302, seqlen_k=302, nheads=4, nheads_kv=2, deterministic=True,
+         extra={"mods": "bd3lm"}),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
     Case("lse-combine", batch=2, seqlen_q=300, nheads=3, backward=False, extra={"combine": 3}),
 )
@@ -204,7 +209,7 @@ def run_case(case):
         run_combine_case(case, gen)
         return
     if case.extra.get("mods"):
-        kwargs = mod_kwargs(case, gen)
+        kwargs = {**mod_kwargs(case, gen), "deterministic": case.deterministic}
     if case.extra.get("sink"):
         kwargs["learnable_sink"] = torch.randn(h, device="cuda", generator=gen)
     if case.extra.get("dropout"):

@@ -10,7 +10,7 @@ import torch
 import cute_attn
 from cute_attn import block_mask as bm
 from cute_attn import masks, validation
-from cute_attn.mask_reference import FULL, PARTIAL, block_mask as reference_classes
+from cute_attn.mask_reference import EMPTY, FULL, PARTIAL, block_mask as reference_classes
 from cpu_standin import LauncherTrap, fake_cuda
 
 
@@ -76,6 +76,16 @@ def test_builder_matches_brute_force(case, tile, monkeypatch):
                     c = int(count[b, h, n])
                     assert idx[b, h, n, :c].tolist() == want
                     assert (idx[b, h, n, c:] == -1).all()
+    # the deterministic backward's turns: KV tile n adds into query tile m's dQ after the
+    # KV tiles before it that visit m; a forward mask has none
+    assert built.dq_turn is None
+    turns = back.dq_turns()
+    assert turns.dtype == torch.int32 and turns.shape == (batch, heads, tiles_n, tiles_m)
+    for b in range(batch):
+        for h in range(heads):
+            for m in range(tiles_m):
+                visitors = [n for n in range(tiles_n) if expected[b, h, m, n] != EMPTY]
+                assert [int(turns[b, h, n, m]) for n in visitors] == list(range(len(visitors)))
 
 
 def test_builder_keeps_batch_and_head_only_when_the_mod_reads_them():
@@ -163,6 +173,18 @@ def test_sink_kernels_compile():
                      AttnFeatures(mask_mod=masks.block_diffusion(16).spec, sink=True)):
         ptx = compile_fwd(FwdKey("bf16", 128, features, mod_fwd_config_for(128)), "--keep-ptx").__ptx__
         assert "wgmma.mma_async" in ptx and "FlashFwdSm90Mods" in ptx
+
+
+def test_deterministic_mod_backward_compiles():
+    """The deterministic backward with a mask mod reads its dQ turn from the block mask
+    and spins on the turn counter (ld.acquire) before each dQ add."""
+    from cute_attn.config import AttnFeatures, bwd_config_for
+    from cute_attn.launcher import BwdKey, compile_bwd
+
+    features = AttnFeatures(mask_mod=masks.block_diffusion(16).spec)
+    _, main, _ = compile_bwd(BwdKey("bf16", 128, features, bwd_config_for(128, features), True), "--keep-ptx")
+    ptx = main.__ptx__
+    assert "FlashBwdSm90Mods" in ptx and "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu" in ptx
 
 
 def test_mod_backward_kernels_compile():

@@ -116,7 +116,7 @@ class BlockList(Staged):
     block mask): the query tiles of KV tile `major`, first first."""
 
     def __init__(self, sparse: tuple, batch: Int32, head: Int32, major: Int32):
-        partial_count, partial_idx, full_count, full_idx = sparse
+        partial_count, partial_idx, full_count, full_idx = sparse[:4]  # the backward's fifth: dQ turns
         self.num_partial = partial_count[batch, head, major]
         self.count = self.num_partial + full_count[batch, head, major]
         self.partial = partial_idx[batch, head, major, None]

@@ -477,10 +477,16 @@ class FlashBwdSm90:
                     if cutlass.const_expr(self.deterministic):
                         # KV blocks add into a dQ tile in increasing n_block order; the ones
                         # that visit a query block are a contiguous range from the forward's
-                        # n_block_min (0 unless a sliding window bounds the left side)
+                        # n_block_min (0 unless a sliding window bounds the left side), or
+                        # with a mask mod the ones its block mask lists (their count below
+                        # n_block: the transposed mask's dq_turn)
                         turn_ptr = g.dq_semaphore[None, head, seqlen.batch].iterator + tile_idx
-                        first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
-                        semaphore.wait_turn(turn_ptr, n_block - first_n_block)
+                        if cutlass.const_expr(blocks is not None):
+                            turn = g.sparse[4][seqlen.batch, head, n_block, m_block]
+                        else:
+                            first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
+                            turn = n_block - first_n_block
+                        semaphore.wait_turn(turn_ptr, turn)
                     bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
                     cute.arch.cp_async_bulk_commit_group()
                     if cutlass.const_expr(self.deterministic):
@@ -723,6 +729,7 @@ class FlashBwdSm90Mods(FlashBwdSm90):
         mPartialIdx: cute.Tensor,  # (batch, heads, tiles_n, tiles_m) int32
         mFullCount: cute.Tensor,
         mFullIdx: cute.Tensor,
+        mDqTurn: cute.Tensor,  # (batch, heads, tiles_n, tiles_m) int32: deterministic dQ turns
         aux: tuple,
         mDropoutSeed: cute.Tensor,  # (2,) int32 Philox key (AttnFeatures.dropout), else a stand-in
         dropout_threshold: Int32,
@@ -736,5 +743,5 @@ class FlashBwdSm90Mods(FlashBwdSm90):
     ):
         self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mdK, mdV, mdQsemaphore, mCuSeqlensQ, mCuSeqlensK,
                     max_seqlen_k, softmax_scale, softcap, window_left, window_right, stream,
-                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx), aux=aux,
+                    sparse=(mPartialCount, mPartialIdx, mFullCount, mFullIdx, mDqTurn), aux=aux,
                     dropout=DropoutArgs(mDropoutSeed, dropout_threshold, dropout_inv_keep))
