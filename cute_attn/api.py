@@ -121,8 +121,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             scaled by 1 / (1 - dropout_p), p taken to 1/256; lse stays the undropped one), forward and
             backward, from a counter-based Philox generator (cute_attn/dropout.py):
             the backward regenerates the forward's mask. Works with causal, window_size,
-            the mods and a sink; not with softcap or a score_mod under autograd, FP8,
-            varlen or KV caches yet.
+            the mods and a sink, and in mha_varlen; not with softcap or a score_mod
+            under autograd, FP8 or KV caches yet.
         dropout_seed: the call's Philox key, an int32 (2,) tensor on q's device; None
             draws one from torch's CUDA generator (reproducible after torch.manual_seed,
             no host sync, CUDA-graph safe). cute_attn.dropout_mask(seed, ...) gives the

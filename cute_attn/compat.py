@@ -4,7 +4,7 @@
 `cute_attn.mha_varlen`.
 
 Only what those kernels compute is accepted: an argument asking for something else
-(dropout, ALiBi, a paged KV cache, an arbitrary attention mask) raises
+(ALiBi, a paged KV cache, an arbitrary attention mask, SDPA's dropout) raises
 NotImplementedError naming it, rather than being ignored. Everything else is checked by
 mha / mha_varlen (dtype, device, head dims, strides, scale), which raise TypeError /
 ValueError naming their own argument (`softmax_scale` for SDPA's `scale`).
@@ -77,7 +77,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     Raises NotImplementedError for alibi_slopes other than None; TypeError / ValueError
     (from mha) for what mha rejects.
     """
-    _reject_unsupported(dropout_p, alibi_slopes, dropout_supported=True)
+    _reject_unsupported(dropout_p, alibi_slopes)
     with_probs = _checked_bool("return_attn_probs", return_attn_probs)
     result = mha(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                  softcap=softcap, return_lse=with_probs, deterministic=deterministic, dropout_p=dropout_p)
@@ -130,8 +130,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     (out, softmax_lse, None) with softmax_lse float32 (nheads, total_q) (FlashAttention 2's
     varlen layout); None for S_dmask as in `flash_attn_func`.
 
-    Raises NotImplementedError for dropout_p != 0, alibi_slopes or block_table (a paged
-    KV cache) other than None.
+    dropout_p > 0 runs mha_varlen's dropout as flash_attn_func runs mha's (sequence b
+    draws the mask of batch entry b). Raises NotImplementedError for alibi_slopes or
+    block_table (a paged KV cache) other than None.
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     if block_table is not None:
@@ -142,18 +143,16 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     with_probs = _checked_bool("return_attn_probs", return_attn_probs)
     result = mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         causal=causal, window_size=window_size, softmax_scale=softmax_scale,
-                        softcap=softcap, return_lse=with_probs, deterministic=deterministic)
+                        softcap=softcap, return_lse=with_probs, deterministic=deterministic,
+                        dropout_p=dropout_p)
     return _fa2_result(result, with_probs)
 
 
-def _reject_unsupported(dropout_p, alibi_slopes, dropout_supported=False):
+def _reject_unsupported(dropout_p, alibi_slopes):
+    """dropout_p's type (mha / mha_varlen check its value) and ALiBi, which cute_attn.mha
+    takes as a score mod (masks.alibi), not as FlashAttention 2's argument."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
-    if dropout_p != 0 and not dropout_supported:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p!r} is not supported here: cute_attn's dropout has no varlen kernel yet "
-            "(flash_attn_func and mha have it); pass dropout_p=0.0"
-        )
     if alibi_slopes is not None:
         raise NotImplementedError(
             "alibi_slopes is not supported: cute_attn has no ALiBi bias; pass alibi_slopes=None"

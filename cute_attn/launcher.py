@@ -1086,7 +1086,9 @@ def _padded_rows(cu_seqlens_q: torch.Tensor, total_q: int, tile_m: int) -> torch
     (blocks/seqlen.py: sequence b starts at (cu_seqlens_q[b] + b * tile_m) // tile_m *
     tile_m): device ops only, no host sync."""
     token = torch.arange(total_q, device=cu_seqlens_q.device, dtype=torch.int32)
-    seq = torch.searchsorted(cu_seqlens_q[1:], token, right=True)  # sequence of each token
+    # sequence of each token, within [0, batch - 1] even for offsets that end short of
+    # total_q (unchecked cu_seqlens): an index past the last would fault on the device
+    seq = torch.searchsorted(cu_seqlens_q[1:-1], token, right=True)
     start = cu_seqlens_q[:-1].long()
     batch = torch.arange(start.shape[0], device=start.device)
     padded_start = (start + batch * tile_m) // tile_m * tile_m

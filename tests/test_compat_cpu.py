@@ -348,15 +348,12 @@ FA2_REJECTED = [
 ]
 
 
-# flash_attn_func runs mha's dropout (mha checks the rate); varlen has none yet
+# both run mha's / mha_varlen's dropout (which check the rate)
 FUNC_REJECTED = FA2_REJECTED + [
     (dict(dropout_p=1), ValueError, r"dropout_p must be in \[0, 1\)"),
     (dict(dropout_p=float("nan")), ValueError, r"dropout_p must be in \[0, 1\)"),
 ]
-VARLEN_REJECTED = FA2_REJECTED + [
-    (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1 is not supported here"),
-    (dict(dropout_p=1), NotImplementedError, "dropout_p=1 is not supported here"),
-]
+VARLEN_REJECTED = FUNC_REJECTED
 
 
 @pytest.mark.parametrize("kwargs, error, message", FUNC_REJECTED,
@@ -500,3 +497,14 @@ def test_compile_logs_one_info_line_per_kernel(caplog):
     assert repr(key) in message
     seconds = float(message.rsplit(" in ", 1)[1].removesuffix(" s"))
     assert seconds > 0
+
+
+def test_flash_attn_varlen_func_passes_dropout_to_mha_varlen(monkeypatch):
+    """dropout_p reaches mha_varlen's dropout (it checks the rate and draws the seed)."""
+    import cute_attn.compat as compat
+
+    calls = []
+    monkeypatch.setattr(compat, "mha_varlen", lambda *args, **kwargs: calls.append(kwargs) or args[0])
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed([3, 5], [4, 6])
+    cute_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.25, causal=True)
+    assert calls[0]["dropout_p"] == 0.25 and calls[0]["causal"] is True

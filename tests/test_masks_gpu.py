@@ -450,7 +450,8 @@ def test_varlen_sink_and_dropout_forward_and_backward(name):
     loss32 = loss_lp = 0.0
     for b, (lq, lk) in enumerate(zip(VARLEN_LENGTHS_Q, VARLEN_LENGTHS_K)):
         rq, rk = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
-        if lq == 0:
+        if lq == 0:  # keys no query sees: zero gradients, written
+            assert not grads[1][rk].any() and not grads[2][rk].any()
             continue
         if lk == 0:  # every row sees no key: out = 0, lse = the sink (or -inf), zero gradients
             assert not out[rq].any() and not grads[0][rq].any()
