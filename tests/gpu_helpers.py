@@ -32,3 +32,32 @@ def poison_allocator(*nbytes):
     for order in (nbytes, nbytes[::-1]):
         bufs = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in order]
         del bufs
+
+
+class hang_guard:
+    """Fail a test that hangs instead of waiting forever: a deterministic backward whose
+    dQ turn is read wrong spins on a counter that never comes (blocks/semaphore.py), and a
+    spinning kernel cannot be interrupted from Python. After `seconds` the process prints
+    the test's name and exits with status 1 (the pytest run then reports the crash)."""
+
+    def __init__(self, what: str, seconds: float = 300.0):
+        self.what, self.seconds = what, seconds
+
+    def __enter__(self):
+        import os
+        import sys
+        import threading
+
+        def fire():
+            print(f"\nhang_guard: {self.what} still running after {self.seconds:.0f} s: a kernel spins "
+                  "(a deterministic dQ turn that never comes?)", file=sys.stderr, flush=True)
+            os._exit(1)
+
+        self.timer = threading.Timer(self.seconds, fire)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+        return False

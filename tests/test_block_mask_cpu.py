@@ -200,3 +200,19 @@ def test_mod_backward_kernels_compile():
         assert "wgmma.mma_async" in ptx and "FlashBwdSm90Mods" in ptx
         if score is not None:
             assert "tanh.approx.f32" in ptx
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 56, 57])
+def test_tree_sum_adds_every_value_once(n):
+    """blocks/softmax.tree_sum (the softmax's pairwise row sums, unrolled at trace time)
+    on plain Python numbers: every value once, odd lengths included, depth ceil(log2 n)."""
+    from cute_attn.blocks.softmax import tree_sum
+
+    values = [2 ** i for i in range(n)]  # distinct powers of two: any lost or doubled term shows
+    assert tree_sum(values) == 2 ** n - 1
+
+    class Depth(int):
+        def __add__(self, other):
+            return Depth(int(max(self, other)) + 1)
+
+    assert tree_sum([Depth(0)] * n) == (n - 1).bit_length()

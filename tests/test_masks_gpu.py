@@ -19,7 +19,7 @@ from cute_attn.block_mask import FULL, build_block_mask
 from cute_attn.config import mod_fwd_config_for
 from cute_attn.dropout import keep_scale, threshold
 from cute_attn.mask_reference import attention_ref_mod, dense_mask
-from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401  (autouse)
+from gpu_helpers import exact_fp32_matmul, hang_guard, poison_allocator  # noqa: F401  (autouse)
 
 pytestmark = pytest.mark.gpu
 
@@ -299,8 +299,10 @@ def test_deterministic_mask_mod_backward(name, d):
     mod = masks.block_diffusion(16) if name == "block_diffusion" else masks.document(_doc_ids(b, s, 5), causal=True)
     q, k, v = _inputs(b, s, s, h, h_kv, d, seed=d)
     dout = torch.randn_like(q)
-    _, grads = _kernel_grads(q, k, v, dout, mask_mod=mod, deterministic=True)
-    _, again = _kernel_grads(q, k, v, dout, mask_mod=mod, deterministic=True)
+    with hang_guard(f"test_deterministic_mask_mod_backward[{name}]"):
+        _, grads = _kernel_grads(q, k, v, dout, mask_mod=mod, deterministic=True)
+        _, again = _kernel_grads(q, k, v, dout, mask_mod=mod, deterministic=True)
+        torch.cuda.synchronize()
     for g, g2 in zip(grads, again):
         assert torch.equal(g, g2)
     _check_grads(q, k, v, dout, grads, mask_mod=mod)
