@@ -1,5 +1,6 @@
-"""Command line: `python -m cute_attn ptx ...` (see cute_attn.ptx) and
-`python -m cute_attn warmup ...` (see cute_attn.warmup)."""
+"""Command line: `python -m cute_attn ptx ...` (see cute_attn.ptx), `python -m cute_attn
+warmup ...` (see cute_attn.warmup) and `python -m cute_attn tune ...` (see
+cute_attn.tuning)."""
 
 import argparse
 import sys
@@ -37,10 +38,20 @@ def main(argv=None) -> int:
                    help="also the inference kernels: split-KV forwards, mha_with_kvcache's")
     w.add_argument("--jobs", type=int, default=0, help="parallel compile processes (0: one per CPU, <= 8)")
     w.add_argument("--list", action="store_true", help="print the plan, build nothing")
+    t = sub.add_parser("tune", help="time the forward's tile configs on this GPU, keep the winners in its table")
+    t.add_argument("--headdim", nargs="+", type=int, choices=CAPABILITIES["fwd"].head_dims, default=[64, 128, 256])
+    t.add_argument("--mask", nargs="+", choices=("none", "causal"), default=["none", "causal"])
+    t.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    t.add_argument("--seqlen", type=int, default=8192, help="tokens per sequence (batch x seqlen = 16384)")
+    t.add_argument("--rounds", type=int, default=5)
+    t.add_argument("--list", action="store_true", help="print the candidates per head dim and mask, time nothing")
+    t.add_argument("--dry-run", action="store_true", help="time, but do not write the table")
     args = parser.parse_args(argv)
 
     if args.command == "warmup":
         return _warmup(args)
+    if args.command == "tune":
+        return _tune(args)
 
     from cute_attn import ptx
 
@@ -78,6 +89,28 @@ def _warmup(args) -> int:
             print(job.family, job.key)
         return 0
     warmup.run(jobs, workers=args.jobs)
+    return 0
+
+
+
+def _tune(args) -> int:
+    from cute_attn import tuning
+
+    if args.list:
+        for d in args.headdim:
+            for mask in args.mask:
+                features = AttnFeatures(mask=mask)
+                print(f"{tuning.entry_key(args.dtype, d, mask)}: default {tuning.fwd_config_for(d, features)}")
+                for field, configs in tuning.candidates(d, features).items():
+                    for config in configs:
+                        print(f"  {field}: {config}")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tune needs a CUDA GPU (it times kernels); --list prints the candidates without one", file=sys.stderr)
+        return 1
+    tuning.tune(args.headdim, args.mask, args.dtype, args.seqlen, args.rounds, write=not args.dry_run)
     return 0
 
 

@@ -348,16 +348,20 @@ def get_fwd_kernel(key: FwdKey):
 
 
 def _default_fwd_kernel(q, k, features: AttnFeatures, page_size: int = 0):
-    """(kernel, config) of the default config for this call; page_size: a paged KV
-    cache's (k is then (num_pages, page_size, heads_kv, head_dim)), else 0."""
+    """(kernel, config) of the default config for this call (this GPU's tuned one where
+    `python -m cute_attn tune` measured a better one, see cute_attn.tuning); page_size: a
+    paged KV cache's (k is then (num_pages, page_size, heads_kv, head_dim)), else 0."""
     head_dim = q.shape[-1]
     # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
     group = q.shape[-2] // k.shape[-2]
     pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
     entry = _default_kernels.get((q.dtype, head_dim, features, pack, page_size))
     if entry is None:
-        config = fwd_config_for(head_dim, features, pack, page_size)
-        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config)
+        from cute_attn.tuning import default_fwd_config
+
+        dtype = DTYPE_OF_INPUT[q.dtype].name
+        config = default_fwd_config(dtype, head_dim, features, q.device.index, pack, page_size)
+        key = FwdKey(dtype, head_dim, features, config)
         entry = _default_kernels.setdefault((q.dtype, head_dim, features, pack, page_size),
                                             (get_fwd_kernel(key), config))
     return entry

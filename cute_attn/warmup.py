@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from cute_attn.config import CAPABILITIES, AttnFeatures, bwd_config_for, fwd_config_for
+from cute_attn.tuning import default_fwd_config
 
 # What a plain training or inference job calls: bf16, the two most used head dims,
 # no mask and causal, forward and backward, dense and varlen.
@@ -64,7 +65,8 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
     for dtype, d, mask, var in itertools.product(dtypes, head_dims, masks, varlen):
         features = AttnFeatures(mask=mask, softcap=softcap, varlen=var)
         if d in CAPABILITIES["fwd"].head_dims:
-            jobs.append(Job("fwd", FwdKey(dtype, d, features, fwd_config_for(d, features))))
+            # this GPU's tuned config where it has one, as the launcher takes it
+            jobs.append(Job("fwd", FwdKey(dtype, d, features, default_fwd_config(dtype, d, features))))
             for pack in gqa_packs if not var else ():
                 jobs.append(Job("fwd", FwdKey(dtype, d, features, fwd_config_for(d, features, pack))))
         if backward and d in CAPABILITIES["bwd"].head_dims:

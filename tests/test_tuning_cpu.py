@@ -1,0 +1,144 @@
+"""cute_attn.tuning on the CPU: the candidates, the coordinate descent against a fake timer,
+the table written and read back, bad tables ignored, and the launcher and warmup taking a
+tuned config. The timing itself (cuda_measure) needs the GPU machine:
+`python -m cute_attn tune` there."""
+
+import dataclasses
+import json
+import logging
+
+import pytest
+
+from cute_attn import tuning
+from cute_attn.config import AttnFeatures, FwdConfig, fwd_config_for
+
+DEVICE = "NVIDIA Test GPU 80GB"
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.ENV_DIR, str(tmp_path))
+    tuning.load_table.cache_clear()
+    yield tmp_path
+    tuning.load_table.cache_clear()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_candidates_change_one_field_each(head_dim, mask):
+    features = AttnFeatures(mask=mask)
+    base = fwd_config_for(head_dim, features)
+    seen = set()
+    for field, configs in tuning.candidates(head_dim, features).items():
+        for config in configs:
+            assert isinstance(config, FwdConfig) and config not in seen and config != base
+            changed = [f.name for f in dataclasses.fields(FwdConfig) if getattr(config, f.name) != getattr(base, f.name)]
+            assert changed == [field]
+            seen.add(config)
+    assert seen, "nothing to try"
+
+
+def _fake_measure(times_of, calls):
+    def measure(configs):
+        calls.append(list(configs))
+        return {c: times_of(c) for c in configs}
+    return measure
+
+
+def test_coordinate_descent_keeps_each_faster_field():
+    """A timer under which tile_n 96 and 3 stages are each faster: the descent finds
+    both (3 stages tried from the tile_n-96 config), and never times a config twice."""
+    features = AttnFeatures()
+    base = fwd_config_for(128, features)
+
+    def times_of(c):
+        return 1.0 - 0.1 * (c.tile_n == 96) - 0.05 * (c.num_stages == 3) + 0.2 * (not c.pingpong)
+
+    calls = []
+    best, times = tuning.coordinate_descent(base, 128, features, _fake_measure(times_of, calls))
+    assert best == dataclasses.replace(base, tile_n=96, num_stages=3)
+    assert times[best] == pytest.approx(0.85) and times[base] == 1.0
+    timed = [c for batch in calls for c in batch if c is not batch[0]]
+    assert len(timed) == len(set(timed))
+
+
+def test_failed_candidates_lose():
+    features = AttnFeatures(mask="causal")
+    base = fwd_config_for(64, features)
+    best, times = tuning.coordinate_descent(
+        base, 64, features, _fake_measure(lambda c: float("inf") if c.tile_n == 160 else 1.0, []))
+    assert best == base and times[dataclasses.replace(base, tile_n=160)] == float("inf")
+
+
+@pytest.mark.parametrize("gain, adopted", [(0.10, True), (0.01, False)])
+def test_table_round_trip_adopts_only_a_real_gain(table_dir, gain, adopted):
+    features = AttnFeatures()
+    base = fwd_config_for(128, features)
+    better = dataclasses.replace(base, tile_n=96)
+    times = {base: 1.0, better: 1.0 / (1.0 + gain)}
+    entry = tuning.make_entry(base, better, times, {"seqlen": 8192}, DEVICE)
+    path = tuning.write_table(DEVICE, {tuning.entry_key("bf16", 128, "none"): entry})
+    assert path.parent == table_dir and path.name == "nvidia-test-gpu-80gb-fwd.json"
+    stored = json.loads(path.read_text())["entries"]["bf16/128/none"]
+    assert stored["adopted"] is adopted and len(stored["measured"]) == 2 and stored["default_ms"] == 1.0
+    got = tuning.tuned_fwd_config(DEVICE, "bf16", 128, features)
+    assert got == (better if adopted else None)  # not adopted: the heuristic's default stands
+    # only that entry: other dtypes, head dims, masks and the features tuning leaves alone
+    assert tuning.tuned_fwd_config(DEVICE, "fp16", 128, features) is None
+    assert tuning.tuned_fwd_config(DEVICE, "bf16", 128, AttnFeatures(mask="causal")) is None
+    assert tuning.tuned_fwd_config(DEVICE, "bf16", 128, AttnFeatures(softcap=True)) is None
+    assert tuning.tuned_fwd_config("Another GPU", "bf16", 128, features) is None
+    assert tuning.tuned_fwd_config(None, "bf16", 128, features) is None
+
+
+def test_bad_entries_are_ignored_with_a_warning(table_dir, caplog):
+    good = dataclasses.asdict(dataclasses.replace(fwd_config_for(64, AttnFeatures()), tile_n=96))
+    entries = {"bf16/64/none": {"config": good},
+               "bf16/128/none": {"config": {**good, "tile_n": 100}},  # not a multiple of 16
+               "bf16/256/none": {"config": {**good, "warps": 3}},  # no such field
+               "bf16/96/none": {"nothing": 1}}
+    (table_dir / "nvidia-test-gpu-80gb-fwd.json").write_text(json.dumps({"entries": entries}))
+    with caplog.at_level(logging.WARNING, logger="cute_attn"):
+        table = tuning.load_table(DEVICE)
+    assert list(table) == ["bf16/64/none"] and table["bf16/64/none"].tile_n == 96
+    assert sum("ignored" in r.message for r in caplog.records) == 3
+    (table_dir / "nvidia-test-gpu-80gb-fwd.json").write_text("{not json")
+    tuning.load_table.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="cute_attn"):
+        assert tuning.load_table(DEVICE) == {}
+
+
+def test_launcher_and_warmup_take_the_tuned_config(table_dir, monkeypatch):
+    """default_fwd_config serves both: the tuned entry for the plain forward (dense and
+    varlen), the heuristic for packed GQA, paged caches and what the table lacks."""
+    import torch
+
+    from cute_attn import launcher, warmup
+
+    features = AttnFeatures(mask="causal")
+    tuned = dataclasses.replace(fwd_config_for(128, features), num_stages=3)
+    entry = tuning.make_entry(fwd_config_for(128, features), tuned,
+                              {fwd_config_for(128, features): 1.0, tuned: 0.9}, {}, DEVICE)
+    tuning.write_table(DEVICE, {"bf16/128/causal": entry})
+    monkeypatch.setattr(tuning, "gpu_name", lambda index=None: DEVICE)
+    assert tuning.default_fwd_config("bf16", 128, features) == tuned
+    assert tuning.default_fwd_config("bf16", 128, dataclasses.replace(features, varlen=True)) == tuned
+    assert tuning.default_fwd_config("bf16", 128, features, pack_gqa=4) == fwd_config_for(128, features, 4)
+    assert tuning.default_fwd_config("bf16", 64, features) == fwd_config_for(64, features)
+    # the launcher's default kernel lookup (its kernel compile stubbed out)
+    monkeypatch.setattr(launcher, "get_fwd_kernel", lambda key: ("kernel", key))
+    monkeypatch.setattr(launcher, "_default_kernels", {})
+    q = torch.empty(1, 64, 4, 128, dtype=torch.bfloat16)
+    (_, key), config = launcher._default_fwd_kernel(q, q, features)
+    assert config == tuned and key.config == tuned
+    # warmup builds the same key
+    jobs = warmup.plan(("bf16",), (128,), ("causal",), varlen=(False,), backward=False)
+    assert [job.key.config for job in jobs] == [tuned]
+
+
+def test_cli_lists_candidates_without_a_gpu(capsys):
+    from cute_attn.__main__ import main
+
+    assert main(["tune", "--list", "--headdim", "128", "--mask", "none"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("bf16/128/none: default FwdConfig(") and "tile_n: FwdConfig(" in out
