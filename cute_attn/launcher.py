@@ -355,14 +355,16 @@ def _default_fwd_kernel(q, k, features: AttnFeatures, page_size: int = 0):
     # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
     group = q.shape[-2] // k.shape[-2]
     pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
-    entry = _default_kernels.get((q.dtype, head_dim, features, pack, page_size))
+    # per device: a host may mix GPU models, and each may have its own tuned table
+    cache_key = (q.dtype, head_dim, features, pack, page_size, q.device.index)
+    entry = _default_kernels.get(cache_key)
     if entry is None:
         from cute_attn.tuning import default_fwd_config
 
         dtype = DTYPE_OF_INPUT[q.dtype].name
         config = default_fwd_config(dtype, head_dim, features, q.device.index, pack, page_size)
         key = FwdKey(dtype, head_dim, features, config)
-        entry = _default_kernels.setdefault((q.dtype, head_dim, features, pack, page_size),
+        entry = _default_kernels.setdefault(cache_key,
                                             (get_fwd_kernel(key), config))
     return entry
 

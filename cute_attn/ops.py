@@ -242,11 +242,17 @@ def _bwd_mods_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsink) of fwd_mods's (out, lse); dsink is empty when sink is None
     (an op returns tensors, not None)."""
-    _check_pointers("q", q, "k", k, "v", v, "out", out)
     features, run_args, mask_mod, score_mod = _unpack_mods(mods, aux, sink, dropout_seed, dropout_p, mask,
                                                            softmax_scale, softcap, window_left, window_right)
+    return _mods_backward(dout, q, k, v, out, lse, features, run_args, deterministic, (mask_mod, score_mod), sink)
+
+
+def _mods_backward(dout, q, k, v, out, lse, features, run_args, deterministic, mods, sink):
+    """The mods' ops' backward (dense and varlen): (dq, dk, dv, dsink), dsink empty
+    without a sink (an op returns tensors, not None)."""
+    _check_pointers("q", q, "k", k, "v", v, "out", out)
     grads = api._launcher().run_bwd(_aligned_dout(dout, q), q, k, v, out, lse, features, run_args,
-                                    deterministic=deterministic, mods=(mask_mod, score_mod), sink=sink)
+                                    deterministic=deterministic, mods=mods, sink=sink)
     return (*grads, lse.new_empty(0)) if sink is None else grads
 
 
@@ -268,13 +274,10 @@ def _bwd_varlen_mods_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           softmax_scale: float, softcap: float, window_left: int, window_right: int,
                           deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsink) of fwd_varlen_mods's (out, lse); dsink empty without a sink."""
-    _check_pointers("q", q, "k", k, "v", v, "out", out)
     features, run_args, _, _ = _unpack_mods("/", [], sink, dropout_seed, dropout_p, mask, softmax_scale, softcap,
                                             window_left, window_right,
                                             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    grads = api._launcher().run_bwd(_aligned_dout(dout, q), q, k, v, out, lse, features, run_args,
-                                    deterministic=deterministic, sink=sink)
-    return (*grads, lse.new_empty(0)) if sink is None else grads
+    return _mods_backward(dout, q, k, v, out, lse, features, run_args, deterministic, None, sink)
 
 
 # The ops run their real implementations on CUDA tensors only (the CPU tests register

@@ -6,7 +6,8 @@ training or serving process loads a library (milliseconds) instead of compiling
 A specialisation is what launcher.FwdKey / BwdKey name: dtype, head dim, features (mask
 kind, softcap, varlen), the default tile config, and for GQA with short query sequences
 the packed-group variant (config.choose_pack_gqa). Keys are built by the launcher's own
-heuristics (fwd_config_for, bwd_config_for), so warmup builds exactly what a call looks up.
+heuristics (tuning.default_fwd_config, bwd_config_for), so warmup builds exactly what a
+call looks up.
 
 Compiling is CPU work (no GPU needed) and single-threaded per kernel, so keys are built
 in parallel processes; two processes building one key compile it once (the cache's lock).
@@ -21,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from cute_attn.config import CAPABILITIES, AttnFeatures, bwd_config_for, fwd_config_for
+from cute_attn.config import CAPABILITIES, AttnFeatures, bwd_config_for
 from cute_attn.tuning import default_fwd_config
 
 # What a plain training or inference job calls: bf16, the two most used head dims,
@@ -57,7 +58,7 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
                 if not (kv_lengths or split):
                     continue  # the plain forward: built below
                 features = AttnFeatures(mask=mask, softcap=softcap, kv_lengths=kv_lengths)
-                config = dataclasses.replace(fwd_config_for(d, features, pack), split_kv=split)
+                config = dataclasses.replace(default_fwd_config(dtype, d, features, pack_gqa=pack), split_kv=split)
                 jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))
         for dtype, d, paged in itertools.product(dtypes, head_dims, (False, True)):
             if d in CAPABILITIES["fwd"].head_dims:
@@ -68,7 +69,8 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
             # this GPU's tuned config where it has one, as the launcher takes it
             jobs.append(Job("fwd", FwdKey(dtype, d, features, default_fwd_config(dtype, d, features))))
             for pack in gqa_packs if not var else ():
-                jobs.append(Job("fwd", FwdKey(dtype, d, features, fwd_config_for(d, features, pack))))
+                config = default_fwd_config(dtype, d, features, pack_gqa=pack)
+                jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))
         if backward and d in CAPABILITIES["bwd"].head_dims:
             jobs.append(Job("bwd", BwdKey(dtype, d, features, bwd_config_for(d, features))))
     return jobs
