@@ -142,6 +142,24 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
     Raises TypeError/ValueError naming the bad argument before any kernel runs.
     """
+    # the plain call (16-bit tensors, causal or not, nothing else set) of a signature seen
+    # before: one dict lookup replaces the checks and plans (_PlainCall)
+    plain = not _is_compiling() and window_size is _NO_WINDOW and type(softcap) is float and softcap == 0.0 \
+        and type(dropout_p) is float and dropout_p == 0.0 and q_descale is None and k_descale is None \
+        and v_descale is None and out_dtype is None and mask_mod is None and score_mod is None \
+        and block_mask is None and learnable_sink is None and dropout_seed is None \
+        and type(aux_tensors) is tuple and not aux_tensors \
+        and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor \
+        and (causal is True or causal is False) and (return_lse is True or return_lse is False) \
+        and (deterministic is True or deterministic is False) \
+        and (softmax_scale is None or type(softmax_scale) is float)
+    if plain:
+        signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                     q.device, k.device, v.device, causal, softmax_scale)
+        call = _plain_calls.get(signature)
+        # the addresses are the one thing a signature leaves open: TMA needs 16-byte ones
+        if call is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            return call(q, k, v, return_lse, deterministic)
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
     dropout_p = _checked_dropout_p(dropout_p, dropout_seed)
@@ -162,7 +180,42 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         return _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask,
                          return_lse, deterministic, no_kernel, learnable_sink, (dropout_p, dropout_seed))
     features, run_args = _features_and_args(causal, window, softcap, scale)
+    if plain and not no_kernel and q.is_cuda:  # (CPU tests stub the validation)
+        _remember_plain_call(signature, q, k, features, run_args)
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
+
+
+class _PlainCall:
+    """A validated signature of mha's plain call, and how to run it: every check of
+    validate_fwd_inputs is a function of the signature (shapes, strides, dtypes, devices,
+    causal, softmax_scale) but the addresses' alignment, which mha tests per call. Host
+    time of the tiny call: perf/NOTES.md, host path."""
+
+    __slots__ = ("features", "run_args", "launch")
+
+    def __init__(self, features, run_args, launch):
+        self.features, self.run_args, self.launch = features, run_args, launch
+
+    def __call__(self, q, k, v, return_lse, deterministic):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            settings = _AttentionSettings(self.features, self.run_args, deterministic)
+            out, lse = _AttentionFunction.apply(q, k, v, settings)
+        else:
+            out, lse = self.launch(q, k, v, return_lse)
+        return (out, lse) if return_lse else out
+
+
+# signature -> _PlainCall (mha's fast path); bounded like the launcher's plans
+_plain_calls: dict = {}
+
+
+def _remember_plain_call(signature, q, k, features, run_args):
+    launch = _launcher().bind_fwd(q, k, features, run_args)
+    if launch is None:  # split-KV, or a CUDA graph capturing: run_fwd each call
+        return
+    if len(_plain_calls) > 4096:
+        _plain_calls.clear()
+    _plain_calls[signature] = _PlainCall(features, run_args, launch)
 
 
 def _refuse_fp8_extras(dropout_p, mask_mod=None, score_mod=None, aux_tensors=(), block_mask=None, sink=None):

@@ -401,16 +401,7 @@ def run_fwd(
     num_splits: split-KV CTAs per query tile (1: none); None picks by choose_splits, which
     splits only grids too small for the GPU. With more than one, the split forward writes
     fp32 partials and each tile's last split merges them into out, lse (one launch)."""
-    page_table = args.page_table
-    key = (q.shape, k.shape, q.dtype, q.device, features, config, num_splits,
-           None if page_table is None else page_table.shape[1],
-           (args.max_seqlen_q, args.max_seqlen_k, args.cu_seqlens_q.shape[0]) if features.varlen else None)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _make_plan(q, k, features, args, config, num_splits)
-        if len(_plans) > 4096:  # many shapes (varied varlen maxima): start over
-            _plans.clear()
-        _plans[key] = plan
+    plan = _plan(q, k, features, args, config, num_splits)
     if plan.num_splits > 1:
         return _run_fwd_split(q, k, v, features, args, plan, need_lse)
     out, lse = _outputs(q, features, need_lse)
@@ -420,6 +411,44 @@ def run_fwd(
     plan.fn(q4, k4, v4, out4, lse3, cu_q, cu_k, _page_table(args, q.device), args.max_seqlen_q,
             args.softmax_scale, args.softcap, window_left, window_right)
     return out, (lse if need_lse else None)
+
+
+class FwdLaunch:
+    """run_fwd bound to one call signature (shapes, strides, dtype, device, features,
+    run-time scalars) for the common call, a dense batch on one kernel launch: the plan,
+    the placeholders and the LSE sink looked up once, so a repeated call is the output
+    allocation and the kernel call (api._PlainCall keys these; perf/NOTES.md, host path)."""
+
+    __slots__ = ("fn", "device", "lse_shape", "sink", "placeholder", "page_table", "scalars")
+
+    def __call__(self, q, k, v, need_lse: bool):
+        out = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if need_lse else self.sink
+        unused = self.placeholder
+        self.fn(q, k, v, out, lse, unused, unused, self.page_table, *self.scalars)
+        return out, (lse if need_lse else None)
+
+
+def bind_fwd(q, k, features: AttnFeatures, args: RunArgs) -> Optional[FwdLaunch]:
+    """A FwdLaunch for validated inputs of this signature, or None where run_fwd does more
+    than one allocation and one launch (varlen, a KV cache, split-KV, an output dtype
+    other than q's) or while a CUDA graph captures (the sink would come from the graph's
+    pool, not a buffer to keep)."""
+    if features.varlen or features.kv_lengths or args.page_table is not None \
+            or DTYPE_OF_INPUT[q.dtype].output is not q.dtype or torch.cuda.is_current_stream_capturing():
+        return None
+    plan = _plan(q, k, features, args, None, None)
+    if plan.num_splits > 1:
+        return None
+    launch = FwdLaunch()
+    launch.fn = plan.fn
+    launch.device = q.device
+    launch.lse_shape = _lse_shape(q, features)
+    launch.sink = _lse_sink(q.device, launch.lse_shape)
+    launch.placeholder = _unused_cu_seqlens(q.device)
+    launch.page_table = _unused_page_table(q.device)
+    launch.scalars = (args.max_seqlen_q, args.softmax_scale, args.softcap) + tuple(args.window)
+    return launch
 
 
 # ----------------------------------------------------------------------------------------
@@ -579,6 +608,21 @@ class _Plan(NamedTuple):
 # skips the config, GQA-packing and split heuristics (5-15 us of host time per call,
 # perf/NOTES.md session 8) for a tuple hash and a dict lookup
 _plans: dict = {}
+
+
+def _plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[FwdConfig],
+          num_splits: Optional[int]) -> _Plan:
+    page_table = args.page_table
+    key = (q.shape, k.shape, q.dtype, q.device, features, config, num_splits,
+           None if page_table is None else page_table.shape[1],
+           (args.max_seqlen_q, args.max_seqlen_k, args.cu_seqlens_q.shape[0]) if features.varlen else None)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(q, k, features, args, config, num_splits)
+        if len(_plans) > 4096:  # many shapes (varied varlen maxima): start over
+            _plans.clear()
+        _plans[key] = plan
+    return plan
 
 
 def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[FwdConfig],

@@ -17,7 +17,7 @@ import torch
 from gpu_helpers import exact_fp32_matmul  # noqa: F401 (fixture)
 
 import cute_attn
-from cute_attn import launcher
+from cute_attn import api, launcher
 from cute_attn.reference import attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -41,6 +41,7 @@ def test_two_threads_cold_cache_compile_once(monkeypatch):
     monkeypatch.setattr(launcher, "_cache", {})
     monkeypatch.setattr(launcher, "_default_kernels", {})
     monkeypatch.setattr(launcher, "_plans", {})
+    monkeypatch.setattr(api, "_plain_calls", {})  # and mha's bound launches
     compiles = []
     real_compile_fwd = launcher.compile_fwd
 

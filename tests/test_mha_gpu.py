@@ -10,9 +10,11 @@ full only for bf16 / headdim 128 and a subset of shapes elsewhere (14 kernels).
 
 import pytest
 import torch
+from gpu_checks import Case, check_forward, check_grads, kernel_grads, make_inputs, run_forward
 from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401 (fixture)
 
 import cute_attn
+from cute_attn import api
 from cute_attn.config import CAPABILITIES
 from cute_attn.reference import attention_ref
 
@@ -181,3 +183,24 @@ def test_late_first_key_with_very_negative_scores(d):
     v = torch.randn_like(q)
     out, lse = _run(q, k, v, causal=True)
     _check_against_reference(q, k, v, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_repeated_signature_takes_the_fast_path(causal):
+    """mha's plain call of a signature seen before skips the checks (api._PlainCall): fresh
+    inputs of that signature still match the reference, out alone and with lse, and under
+    autograd; an address off TMA's 16 bytes, same shape and strides, is still refused."""
+    case = Case(b=2, sq=333, sk=1000, h=8, h_kv=2, causal=causal)  # GQA, not tile multiples
+    calls_before = len(api._plain_calls)
+    for seed in (1, 2, 3):
+        q, k, v, dout, cu = make_inputs(case, seed=seed)
+        out, lse = run_forward(case, q, k, v, cu)
+        check_forward(case, q, k, v, cu, out, lse)
+        assert torch.equal(cute_attn.mha(q, k, v, causal=causal), out)
+    assert len(api._plain_calls) > calls_before, "the fast path was never armed"
+    check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
+    buffer = torch.randn(q.numel() + 1, dtype=q.dtype, device="cuda")
+    q_off = buffer[1:].view(q.shape)  # 2 bytes past an aligned address
+    assert q_off.stride() == q.stride()
+    with pytest.raises(ValueError, match="aligned"):
+        cute_attn.mha(q_off, k, v, causal=causal)

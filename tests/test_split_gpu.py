@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cute_attn
-from cute_attn import launcher
+from cute_attn import api, launcher
 from gpu_checks import Case, check_forward, check_grads, kernel_grads, make_inputs, run_forward
 from gpu_helpers import exact_fp32_matmul  # noqa: F401  (autouse)
 
@@ -29,6 +29,7 @@ def forced_splits(monkeypatch):
             return n
         monkeypatch.setattr(launcher, "choose_splits", choose)
         monkeypatch.setattr(launcher, "_plans", {})  # the plans cache split counts
+        monkeypatch.setattr(api, "_plain_calls", {})  # and mha's bound launches
         return chosen
     return force
 
