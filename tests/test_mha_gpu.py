@@ -190,7 +190,9 @@ def test_repeated_signature_takes_the_fast_path(causal):
     """mha's plain call of a signature seen before skips the checks (api._PlainCall): fresh
     inputs of that signature still match the reference, out alone and with lse, and under
     autograd; an address off TMA's 16 bytes, same shape and strides, is still refused."""
-    case = Case(b=2, sq=333, sk=1000, h=8, h_kv=2, causal=causal)  # GQA, not tile multiples
+    # GQA, lengths no tile multiple, a grid (7 query tiles x 16 heads x 3) that fills the GPU
+    # without split-KV, whose calls take run_fwd each time (launcher.bind_fwd)
+    case = Case(b=3, sq=777, sk=1000, h=16, h_kv=4, causal=causal)
     calls_before = len(api._plain_calls)
     for seed in (1, 2, 3):
         q, k, v, dout, cu = make_inputs(case, seed=seed)
