@@ -211,7 +211,7 @@ _plain_calls: dict = {}
 
 def _remember_plain_call(signature, q, k, features, run_args):
     launch = _launcher().bind_fwd(q, k, features, run_args)
-    if launch is None:  # split-KV, or a CUDA graph capturing: run_fwd each call
+    if launch is None:  # a CUDA graph capturing: run_fwd each call
         return
     if len(_plain_calls) > 4096:
         _plain_calls.clear()

@@ -55,6 +55,25 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
 
     Returns out (batch, seqlen_q, nheads, headdim) like q, or (out, lse).
     """
+    # a decode step whose signature was seen before: one dict lookup replaces the checks
+    # and the plans (_DecodeStep)
+    plain = not api._is_compiling() and check_inputs is False and window_size is api._NO_WINDOW \
+        and type(softcap) is float and softcap == 0.0 and type(num_splits) is int \
+        and (causal is True or causal is False) and (return_lse is True or return_lse is False) \
+        and (softmax_scale is None or type(softmax_scale) is float) \
+        and type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor \
+        and type(cache_seqlens) is Tensor and (k is None or type(k) is Tensor) \
+        and (v is None or type(v) is Tensor) and (page_table is None or type(page_table) is Tensor)
+    if plain:
+        signature = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+                     k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+                     cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
+                     _layout(k), _layout(v), _layout(page_table), causal, softmax_scale, num_splits)
+        step = _decode_steps.get(signature)
+        # the addresses are what a signature leaves open: TMA needs 16-byte ones
+        if step is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
+                                     | (0 if k is None else k.data_ptr() | v.data_ptr())) & 15:
+            return step(q, k_cache, v_cache, k, v, cache_seqlens, page_table, return_lse)
     problem = validate_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=page_table, causal=causal,
         window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits,
@@ -83,7 +102,41 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
     else:
         out, lse = api._launcher().run_fwd(q, k_cache, v_cache, features, run_args, need_lse=problem.return_lse,
                                            num_splits=problem.num_splits or None)
+        if plain and q.is_cuda:
+            launch = api._launcher().bind_fwd(q, k_cache, features, run_args, problem.num_splits or None)
+            if launch is not None:  # (None while a CUDA graph captures)
+                if len(_decode_steps) > 4096:
+                    _decode_steps.clear()
+                _decode_steps[signature] = _DecodeStep(problem.seqlen_new > 0, launch)
     return (out, lse) if problem.return_lse else out
+
+
+def _layout(t):
+    """A signature's part for an optional tensor argument (None or a tensor)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+class _DecodeStep:
+    """A validated signature of mha_with_kvcache (every tensor's shape, strides, dtype and
+    device, and the scalar arguments) and how to run it: the append kernel when new
+    tokens come, then the forward bound to this signature (launcher.FwdLaunch), with the
+    call's own lengths and pages. Host time: perf/NOTES.md, session 14."""
+
+    __slots__ = ("appends", "launch")
+
+    def __init__(self, appends, launch):
+        self.appends, self.launch = appends, launch
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, page_table, return_lse):
+        lengths = cache_seqlens
+        if self.appends:
+            lengths = api._launcher().run_append(k, v, k_cache, v_cache, cache_seqlens, page_table)
+        out, lse = self.launch(q, k_cache, v_cache, return_lse, lengths, page_table)
+        return (out, lse) if return_lse else out
+
+
+# signature -> _DecodeStep (mha_with_kvcache's fast path), bounded like the launcher's plans
+_decode_steps: dict = {}
 
 
 def _features_and_args(problem, scale, lengths, page_table):

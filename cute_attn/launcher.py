@@ -415,31 +415,38 @@ def run_fwd(
 
 class FwdLaunch:
     """run_fwd bound to one call signature (shapes, strides, dtype, device, features,
-    run-time scalars) for the common call, a dense batch on one kernel launch: the plan,
-    the placeholders and the LSE sink looked up once, so a repeated call is the output
-    allocation and the kernel call (api._PlainCall keys these; perf/NOTES.md, host path)."""
+    run-time scalars) for a dense batch, a KV cache's included: the plan, the placeholders,
+    the LSE sink and the split workspace's shape looked up once, so a repeated call is the
+    output allocation, the workspace views of its stream (split-KV) and the kernel call
+    (api._PlainCall and kvcache's decode fast path key these; perf/NOTES.md, host path).
+    kv_lengths and page_table are the call's own: a KV cache's lengths and pages."""
 
-    __slots__ = ("fn", "device", "lse_shape", "sink", "placeholder", "page_table", "scalars")
+    __slots__ = ("fn", "device", "lse_shape", "sink", "placeholder", "page_table", "scalars", "workspace",
+                 "num_splits")
 
-    def __call__(self, q, k, v, need_lse: bool):
+    def __call__(self, q, k, v, need_lse: bool, kv_lengths=None, page_table=None):
         out = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if need_lse else self.sink
         unused = self.placeholder
-        self.fn(q, k, v, out, lse, unused, unused, self.page_table, *self.scalars)
+        cu_k = unused if kv_lengths is None else kv_lengths
+        pages = self.page_table if page_table is None else page_table
+        if self.workspace is None:
+            self.fn(q, k, v, out, lse, unused, cu_k, pages, *self.scalars)
+        else:
+            o_part, lse_part, counters = _split_workspace(self.device, *self.workspace)
+            self.fn(q, k, v, out, lse, unused, cu_k, pages, o_part, lse_part, counters, *self.scalars,
+                    self.num_splits)
         return out, (lse if need_lse else None)
 
 
-def bind_fwd(q, k, features: AttnFeatures, args: RunArgs) -> Optional[FwdLaunch]:
-    """A FwdLaunch for validated inputs of this signature, or None where run_fwd does more
-    than one allocation and one launch (varlen, a KV cache, split-KV, an output dtype
-    other than q's) or while a CUDA graph captures (the sink would come from the graph's
-    pool, not a buffer to keep)."""
-    if features.varlen or features.kv_lengths or args.page_table is not None \
-            or DTYPE_OF_INPUT[q.dtype].output is not q.dtype or torch.cuda.is_current_stream_capturing():
+def bind_fwd(q, k, features: AttnFeatures, args: RunArgs, num_splits: Optional[int] = None) -> Optional[FwdLaunch]:
+    """A FwdLaunch for validated inputs of this signature, or None where run_fwd does
+    more than allocate and launch once (varlen views, an output dtype other than q's) or
+    while a CUDA graph captures (the sink would come from the graph's pool, not a buffer
+    to keep). num_splits as run_fwd's."""
+    if features.varlen or DTYPE_OF_INPUT[q.dtype].output is not q.dtype or torch.cuda.is_current_stream_capturing():
         return None
-    plan = _plan(q, k, features, args, None, None)
-    if plan.num_splits > 1:
-        return None
+    plan = _plan(q, k, features, args, None, num_splits)
     launch = FwdLaunch()
     launch.fn = plan.fn
     launch.device = q.device
@@ -448,6 +455,11 @@ def bind_fwd(q, k, features: AttnFeatures, args: RunArgs) -> Optional[FwdLaunch]
     launch.placeholder = _unused_cu_seqlens(q.device)
     launch.page_table = _unused_page_table(q.device)
     launch.scalars = (args.max_seqlen_q, args.softmax_scale, args.softcap) + tuple(args.window)
+    launch.num_splits = plan.num_splits
+    launch.workspace = None
+    if plan.num_splits > 1:
+        batch, seqlen_q, heads, head_dim = q.shape
+        launch.workspace = (plan.num_splits * batch, seqlen_q, heads, head_dim, plan.tiles)
     return launch
 
 

@@ -322,3 +322,36 @@ def test_append_kernel_clamps_bad_values_into_the_cache(d, seqlen_new, page_size
             candidates = torch.stack([new[b, j].view(heads_kv, -1, 16 // cache.element_size()) for b, j in tokens])
             assert (candidates == chunks).all(-1).any(0).all(), (page, row, tokens)
         assert torch.equal(cache[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_decode_steps_of_one_signature_take_the_fast_path(page_size):
+    """Decode steps that repeat a signature skip the checks (kvcache._DecodeStep): each of
+    four steps (new lengths, new tokens, a new page table) matches the reference and
+    appends in place; new tokens off TMA's 16-byte alignment, same signature, are still
+    refused."""
+    from cute_attn import kvcache
+
+    batch, cap, h, hkv, d, kw = 3, 2048, 32, 8, 128, dict(causal=True)
+    lengths = [5, 1500, 700]
+    steps_before = len(kvcache._decode_steps)
+    for step in range(4):
+        q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(batch, 1, cap, h, hkv, d, 1, lengths, seed=40 + step)
+        caches, table = (k_cache, v_cache), None
+        if page_size:
+            *caches, table = _paged(k_cache, v_cache, lengths, 1, page_size, seed=40 + step)
+        ref_out, ref_lse, k_after, v_after = kvcache_attention_ref(q, *caches, seqlens, k_new, v_new,
+                                                                   page_table=table, **kw)
+        _, _, k_flat, v_flat = kvcache_attention_ref(q, k_cache, v_cache, seqlens, k_new, v_new, **kw)
+        low = _reference_low(q, k_flat, v_flat, lengths, 1, **kw)
+        poison_allocator(q.numel() * 2, q.numel() // d * 4)
+        out, lse = cute_attn.mha_with_kvcache(q, *caches, k_new, v_new, cache_seqlens=seqlens, page_table=table,
+                                              return_lse=True, **kw)
+        assert torch.equal(caches[0], k_after) and torch.equal(caches[1], v_after)
+        _assert_close_to_reference(out, lse, ref_out, ref_lse, low, kw)
+        lengths = [n + 37 * (step + 1) for n in lengths]
+    assert len(kvcache._decode_steps) > steps_before, "the fast path was never armed"
+    buffer = torch.randn(k_new.numel() + 1, device="cuda").to(BF16)
+    k_off = buffer[1:].view(k_new.shape)  # 2 bytes past an aligned address
+    with pytest.raises(ValueError, match="aligned"):
+        cute_attn.mha_with_kvcache(q, *caches, k_off, v_new, cache_seqlens=seqlens, page_table=table, **kw)

@@ -185,14 +185,22 @@ def test_late_first_key_with_very_negative_scores(d):
     _check_against_reference(q, k, v, out, lse, causal=True)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_repeated_signature_takes_the_fast_path(causal):
+FAST_PATH_CASES = [
+    # GQA, lengths no tile multiple, a grid (7 query tiles x 16 heads x 3) that fills the GPU
+    Case(b=3, sq=777, sk=1000, h=16, h_kv=4),
+    Case(b=3, sq=777, sk=1000, h=16, h_kv=4, causal=True),
+    # decode: a grid of 8 CTAs, so split-KV with its per-stream workspace
+    Case(b=1, sq=1, sk=3000, h=32, h_kv=8, causal=True),
+    Case(b=2, sq=5, sk=1031, h=16, h_kv=16),
+]
+
+
+@pytest.mark.parametrize("case", FAST_PATH_CASES, ids=str)
+def test_repeated_signature_takes_the_fast_path(case):
     """mha's plain call of a signature seen before skips the checks (api._PlainCall): fresh
     inputs of that signature still match the reference, out alone and with lse, and under
     autograd; an address off TMA's 16 bytes, same shape and strides, is still refused."""
-    # GQA, lengths no tile multiple, a grid (7 query tiles x 16 heads x 3) that fills the GPU
-    # without split-KV, whose calls take run_fwd each time (launcher.bind_fwd)
-    case = Case(b=3, sq=777, sk=1000, h=16, h_kv=4, causal=causal)
+    causal = case.causal
     calls_before = len(api._plain_calls)
     for seed in (1, 2, 3):
         q, k, v, dout, cu = make_inputs(case, seed=seed)
