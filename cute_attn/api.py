@@ -445,17 +445,15 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     # the grid never needs more than the total tokens (and they fit an Int32 on any GPU)
     total_q, total_k = q.shape[0], k.shape[0]
     max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
-    features, run_args = _features_and_args(
-        causal, window, softcap, scale, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    )
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     no_kernel = total_q == 0 or total_k == 0 or q.shape[1] == 0
+    if not fp8 and (learnable_sink is not None or dropout_p):  # the mods' kernels build their own features
+        return _run_mods(q, k, v, causal, window, softcap, scale, None, None, (), None, return_lse, deterministic,
+                         no_kernel, learnable_sink, (dropout_p, dropout_seed), varlen=varlen)
+    features, run_args = _features_and_args(causal, window, softcap, scale, varlen=varlen)
     if fp8:
         policy = FP8_POLICY_OF_OUTPUT[out_dtype or torch.bfloat16]
         return _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel)
-    if learnable_sink is not None or dropout_p:
-        return _run_mods(q, k, v, causal, window, softcap, scale, None, None, (), None, return_lse, deterministic,
-                         no_kernel, learnable_sink, (dropout_p, dropout_seed),
-                         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
