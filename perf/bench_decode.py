@@ -12,6 +12,7 @@ split-KV on sm90), torch SDPA (its own backend choice, enable_gqa), each timed b
 do_bench (median) in interleaved rounds in this process.
 
     python3 perf/bench_decode.py --grid --out $OUT   # the cuDNN decode sweep's grid
+    python3 perf/bench_decode.py --quick --host-overhead --out $OUT   # + a decode step's host time
 
 --grid runs the grid of NVIDIA's cuDNN 9.27 decode sweep (batch 1/8/32/128 x keys
 2K/8K/32K/128K x 1/8/16 queries, 64/8 heads, hd 128; the points that fit in memory) with
@@ -140,12 +141,50 @@ def impls():
     return out
 
 
+# the decode step of issue 12's host-time target: batch 1, one query, 32/8 heads, hd 128,
+# a 1K-key cache with 1000 filled: its GPU time is well under the host time of any call
+HOST_STEP = {"batch": 1, "seqlen_cache": 1024, "filled": 1000, "heads": 32, "heads_kv": 8, "head_dim": 128}
+
+
+def decode_host_overhead() -> dict:
+    """Host time per call (harness.host_us_per_call, a loop with one sync at each end) of
+    the decode step HOST_STEP: mha_with_kvcache attend-only and with a one-token append,
+    mha at one query over the same keys, and SDPA over them (the anchor)."""
+    import cute_attn
+
+    s = HOST_STEP
+    b, d = s["batch"], s["head_dim"]
+    q = torch.randn(b, 1, s["heads"], d, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(b, s["seqlen_cache"], s["heads_kv"], d, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    k_new, v_new = (torch.randn(b, 1, s["heads_kv"], d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.full((b,), s["filled"], dtype=torch.int32, device="cuda")
+    keys = k_cache[:, :s["filled"]], v_cache[:, :s["filled"]]
+    calls = {
+        # the append writes the same slot every call (lengths never change here)
+        "cute_attn_kvcache_append": lambda: cute_attn.mha_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                                       cache_seqlens=lengths, causal=True),
+        "cute_attn_kvcache": lambda: cute_attn.mha_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                                causal=True),
+        "cute_attn_mha": lambda: cute_attn.mha(q, *keys, causal=True),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys[0].transpose(1, 2), keys[1].transpose(1, 2), enable_gqa=True),
+    }
+    us = {name: harness.host_us_per_call(fn) for name, fn in calls.items()}
+    for name, value in us.items():
+        harness.log(f"host: {name:26s} {value:6.1f} us/call")
+    return {"step": s, "calls": harness.HOST_CALLS, "warmup_calls": harness.HOST_WARMUP_CALLS,
+            "method": "wall clock of a host loop, torch.cuda.synchronize before and after", "us_per_call": us}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="the issue's four shapes only")
     p.add_argument("--grid", action="store_true", help="the cuDNN decode sweep's grid (paged, kvcache, SDPA)")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="first measure the host time per call of a tiny decode step (HOST_STEP)")
     args = p.parse_args(argv)
     from cute_attn import launcher
     from cute_attn.reference import attention_ref
@@ -153,6 +192,7 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name()
     copy_gbs = copy_bandwidth_gbs()
     harness.log(f"{device}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
+    host = decode_host_overhead() if args.host_overhead else None
     fns = impls()
     if args.grid:
         fns = {n: f for n, f in fns.items() if n in GRID_IMPLS}
@@ -203,6 +243,8 @@ def main(argv=None) -> int:
     doc = {"device": device, "copy_bandwidth_gbs": copy_gbs, "torch": torch.__version__,
            "method": f"do_bench median, {args.rounds} interleaved rounds, bf16, random normal inputs",
            "records": records}
+    if host is not None:
+        doc["host"] = host
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"{harness.device_slug(device)}-decode{'-grid' if args.grid else ''}.json"
