@@ -115,6 +115,17 @@ def test_shard_unshard_round_trip():
         cp.shard(x, 0, 2, "striped")
 
 
+def test_ulysses_rank_order_is_built_once():
+    """The zigzag permutation of Ulysses' exchanges is cached: a repeat call builds nothing."""
+    from cute_attn.distributed.ulysses import _rank_order
+
+    cpu = torch.device("cpu")
+    order, inverse = _rank_order(24, 3, "zigzag", cpu), _rank_order(24, 3, "zigzag", cpu, inverse=True)
+    assert torch.equal(order, torch.cat([global_positions(24, 3, "zigzag", r) for r in range(3)]))
+    assert torch.equal(order[inverse], torch.arange(24))
+    assert _rank_order(24, 3, "zigzag", cpu) is order and _rank_order(24, 3, "zigzag", cpu, inverse=True) is inverse
+
+
 def test_choose_variant():
     assert cp.choose_variant(32, 8, 4, 65536) == "ulysses"
     assert cp.choose_variant(32, 8, 16, 65536) == "ulysses"

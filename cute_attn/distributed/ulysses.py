@@ -13,11 +13,31 @@ import torch
 import torch.distributed as dist
 
 from cute_attn.distributed.layout import global_positions
+from cute_attn.validation import _capturing_cuda_graph
 
 
-def _rank_order(seqlen: int, world_size: int, layout: str, device) -> torch.Tensor:
-    """Global position of each row of the rank-order concatenation of the shards."""
-    return torch.cat([global_positions(seqlen, world_size, layout, r) for r in range(world_size)]).to(device)
+# (seqlen, world_size, layout, device) -> (order, inverse): every exchange of every layer
+# asks for the same few, so they are built once; cleared past _ORDERS_MAX keys
+_orders: dict = {}
+_ORDERS_MAX = 256
+
+
+def _rank_order(seqlen: int, world_size: int, layout: str, device, inverse: bool = False) -> torch.Tensor:
+    """Global position of each row of the rank-order concatenation of the shards; inverse:
+    the row of each global position. Not to be written to: the tensors are shared."""
+    key = (seqlen, world_size, layout, device)
+    orders = _orders.get(key)
+    if orders is None:
+        order = torch.cat([global_positions(seqlen, world_size, layout, r) for r in range(world_size)]).to(device)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=device)
+        orders = (order, back)
+        # made during a CUDA graph's capture, they live in the graph's private pool: not to keep
+        if not _capturing_cuda_graph():
+            if len(_orders) >= _ORDERS_MAX:
+                _orders.clear()
+            _orders[key] = orders
+    return orders[1] if inverse else orders[0]
 
 
 def seq_to_heads(x: torch.Tensor, group, layout: str) -> torch.Tensor:
@@ -33,10 +53,7 @@ def seq_to_heads(x: torch.Tensor, group, layout: str) -> torch.Tensor:
     gathered = recv.movedim(0, 1).reshape(batch, world_size * local_len, heads // world_size, *rest)
     if layout == "contiguous":
         return gathered
-    order = _rank_order(world_size * local_len, world_size, layout, x.device)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=x.device)
-    return gathered.index_select(1, inverse)
+    return gathered.index_select(1, _rank_order(world_size * local_len, world_size, layout, x.device, inverse=True))
 
 
 def heads_to_seq(x: torch.Tensor, group, layout: str) -> torch.Tensor:
