@@ -208,7 +208,7 @@ def test_one_rank_is_plain_attention(one_rank_group):
         torch.testing.assert_close(lse, want_lse)
         for got, expect in zip(leaves, ref_leaves):
             torch.testing.assert_close(got.grad, expect.grad)
-    with pytest.raises(ValueError, match="share one shape"):
+    with pytest.raises(ValueError, match="k headdim must equal q headdim"):
         cp.ring_mha(q, k[..., :8], v, causal=True, local=local)
 
 

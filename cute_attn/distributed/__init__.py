@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from cute_attn.api import _default_scale
 from cute_attn.distributed.layout import (
     LAYOUTS,
     block_task,
@@ -44,6 +45,15 @@ from cute_attn.distributed.layout import (
     unshard_varlen,
 )
 from cute_attn.distributed.local import KernelAttention, ReferenceAttention
+from cute_attn.validation import (
+    _check_is_tensor,
+    _check_offsets,
+    _check_rank,
+    _check_shapes,
+    validate_fwd_inputs,
+    validate_softcap,
+    validate_window_size,
+)
 
 __all__ = ["ring_mha", "ring_mha_varlen", "ulysses_mha", "choose_variant", "shard", "unshard", "shard_varlen",
            "unshard_varlen", "global_positions", "block_task", "KernelAttention", "ReferenceAttention", "LAYOUTS"]
@@ -74,20 +84,17 @@ def _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size=(-
     backend) and the layout's. Every rank must hold the same shard length (not checked:
     it would cost a collective per call)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen_local, heads, head_dim)")
+        _check_is_tensor(name, t)
+        _check_rank(name, t, 4, "(batch, seqlen_local, heads, head_dim)")
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         raise ValueError(f"q, k and v must hold the same shard of the sequence: local lengths "
                          f"{q.shape[1]}, {k.shape[1]}, {v.shape[1]}")
-    # what a rank's first kernel would otherwise find only after the first exchange is posted
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or k.shape[2] == 0 \
-            or q.shape[2] % k.shape[2]:
-        raise ValueError(f"k and v must share one shape (batch, seqlen_local, heads_kv, head_dim) with q's batch "
-                         f"and head_dim and heads_kv dividing q's heads: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+    # mha's shape checks, for every backend: what a rank's first kernel would otherwise find
+    # only after the first exchange is posted
+    _check_shapes(q, k, v)
+    if q.shape[2] == 0:  # mha's checks let an empty call through; the ring and all-to-all have none
+        raise ValueError(f"q must have at least one head, got shape {tuple(q.shape)}")
     check_layout(layout, q.shape[1])
-    from cute_attn.validation import validate_fwd_inputs, validate_softcap, validate_window_size
-
     window_size = validate_window_size(window_size)
     if isinstance(local, KernelAttention):
         validate_fwd_inputs(q, k, v, softmax_scale, validate_softcap(softcap))
@@ -114,7 +121,7 @@ def ring_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, c
     world_size = _world_size(group)
     local = KernelAttention() if local is None else local
     left, right = _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
     right = 0 if causal else right
     # a side that reaches past the whole sequence is unbounded (as mha takes 2**40): no halo for it
     seqlen = q.shape[1] * world_size
@@ -152,16 +159,18 @@ def ring_mha_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     world_size = _world_size(group)
     local = KernelAttention() if local is None else local
     cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError("cu_seqlens must start at 0 and not decrease")
+    if not cu:
+        raise ValueError("cu_seqlens must start at 0, got no offsets")
+    # start at 0, non-decreasing; its end (the batch's total) is checked against the rows below
+    _check_offsets("cu_seqlens", cu, "the batch", cu[-1], None, None)
     check_varlen_lengths(cu, world_size, layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor (total_tokens / world_size, heads, head_dim)")
+        _check_is_tensor(name, t)
+        _check_rank(name, t, 3, "(total_tokens / world_size, heads, head_dim)")
         if t.shape[0] != cu[-1] // world_size:
             raise ValueError(f"{name} holds {t.shape[0]} rows; this rank's share of cu_seqlens is {cu[-1] // world_size}")
     _check_shards(q[None], k[None], v[None], "contiguous", local, softmax_scale, softcap)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
     from cute_attn.distributed.ring import Ring, RingAttention, VarlenSteps
 
     ring = Ring(group)
@@ -189,7 +198,7 @@ def ulysses_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *
         # fewer KV heads than ranks: each rank's query heads share one KV head, so every
         # rank gets a copy of its own (the gradient of the copies sums back)
         k, v = (t.repeat_interleave(world_size // heads_kv, dim=2) for t in (k, v))
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
     from cute_attn.distributed.ulysses import ulysses_forward
 
     out, lse = ulysses_forward(q, k, v, group, local, layout, bool(causal), scale, tuple(window_size), float(softcap),
