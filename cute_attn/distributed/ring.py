@@ -127,6 +127,7 @@ def ring_forward(q, kv, ring: Ring, steps):
                 lse_part[batch:, :, rows].copy_(lse)
                 steps.local.merge(o_part[:, rows], lse_part[:, :, rows], o_part[:batch, rows],
                                   lse_merged[:, :, rows])
+                # needed: the combine's lse may not alias lse_part (kernels/combine.py), and the next merge reads slot 0
                 lse_part[:batch, :, rows].copy_(lse_merged[:, :, rows])
         if pending is not None:
             kv, works = pending
