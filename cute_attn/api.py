@@ -157,8 +157,10 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                      q.device, k.device, v.device, causal, softmax_scale)
         call = _plain_calls.get(signature)
-        # the addresses are the one thing a signature leaves open: TMA needs 16-byte ones
-        if call is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        # what a signature leaves open: the addresses (TMA needs 16-byte ones; every 16-bit
+        # policy's align_bytes) and a negative-bit view of the same layout
+        if call is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 \
+                and not (q.is_neg() or k.is_neg() or v.is_neg()):
             return call(q, k, v, return_lse, deterministic)
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)

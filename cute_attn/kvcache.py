@@ -70,9 +70,12 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
                      cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
                      _layout(k), _layout(v), _layout(page_table), causal, softmax_scale, num_splits)
         step = _decode_steps.get(signature)
-        # the addresses are what a signature leaves open: TMA needs 16-byte ones
+        # what a signature leaves open: the addresses (TMA needs 16-byte ones) and a
+        # negative-bit view of the same layout
         if step is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
-                                     | (0 if k is None else k.data_ptr() | v.data_ptr())) & 15:
+                                     | (0 if k is None else k.data_ptr() | v.data_ptr())) & 15 \
+                and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg()
+                         or (k is not None and (k.is_neg() or v.is_neg()))):
             return step(q, k_cache, v_cache, k, v, cache_seqlens, page_table, return_lse)
     problem = validate_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=page_table, causal=causal,

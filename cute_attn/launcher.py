@@ -426,7 +426,14 @@ class FwdLaunch:
 
     def __call__(self, q, k, v, need_lse: bool, kv_lengths=None, page_table=None):
         out = torch.empty_like(q)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if need_lse else self.sink
+        if need_lse:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        else:
+            lse = self.sink
+            if lse is None:  # the first call that discards lse: the shared sink (_lse_sink)
+                lse = _lse_sink(self.device, self.lse_shape)
+                if not torch.cuda.is_current_stream_capturing():  # (a capture's is the graph's)
+                    self.sink = lse
         unused = self.placeholder
         cu_k = unused if kv_lengths is None else kv_lengths
         pages = self.page_table if page_table is None else page_table
@@ -451,7 +458,7 @@ def bind_fwd(q, k, features: AttnFeatures, args: RunArgs, num_splits: Optional[i
     launch.fn = plan.fn
     launch.device = q.device
     launch.lse_shape = _lse_shape(q, features)
-    launch.sink = _lse_sink(q.device, launch.lse_shape)
+    launch.sink = None  # fetched by the first call that discards lse: training calls never grow it
     launch.placeholder = _unused_cu_seqlens(q.device)
     launch.page_table = _unused_page_table(q.device)
     launch.scalars = (args.max_seqlen_q, args.softmax_scale, args.softcap) + tuple(args.window)

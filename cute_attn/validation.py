@@ -99,7 +99,8 @@ def plainly_tma_operands(policy, q, k, v):
     """The fast paths' TMA layout test of three 4-D tensors: last dim contiguous, the other
     strides multiples of align_elems (a power of two, so one test of their OR) and nonzero
     (an expanded dim goes to the detailed checks, which reject it unless the dim has size
-    1), the pointers aligned. False means "look closer" (_layout_problem names it)."""
+    1), the pointers aligned, no negative-bit view. False means "look closer"
+    (_layout_problem names it)."""
     elems = policy.align_elems
     qt, kt, vt = q.stride(), k.stride(), v.stride()
     if qt[3] != 1 or kt[3] != 1 or vt[3] != 1:
@@ -113,7 +114,8 @@ def plainly_tma_operands(policy, q, k, v):
         # _is_compiling() to a constant.
         return not any(s % elems for s in (qt[0], qt[1], qt[2], kt[0], kt[1], kt[2], vt[0], vt[1], vt[2]))
     return not ((qt[0] | qt[1] | qt[2] | kt[0] | kt[1] | kt[2] | vt[0] | vt[1] | vt[2]) % elems
-                or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % policy.align_bytes)
+                or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % policy.align_bytes
+                or q.is_neg() or k.is_neg() or v.is_neg())
 
 
 def _plainly_valid(q, k, v, softmax_scale):
@@ -244,6 +246,11 @@ def _layout_problem(name, t, policy):
     """What keeps t from being a TMA operand of the policy's dtype (None: nothing). TMA
     descriptors need the last dim contiguous, every other stride a multiple of align_bytes
     (align_elems elements of the dtype), and the base address aligned to align_bytes."""
+    if not _is_compiling() and t.is_neg():
+        # a lazily negated view (torch._neg_view, the .imag of a conjugated complex tensor):
+        # its memory holds the values' negation, which a kernel reading it would take as is
+        # (traced calls reach the kernel through a custom op, whose dispatch resolves it)
+        return f"{name} is a negative-bit view (its memory holds -{name}); call .resolve_neg()"
     strides = t.stride()
     for dim, (size, stride) in enumerate(zip(t.shape, strides)):
         if stride == 0 and size > 1:

@@ -61,3 +61,29 @@ class hang_guard:
     def __exit__(self, *exc):
         self.timer.cancel()
         return False
+
+
+def forget_bound_launches(monkeypatch):
+    """Empty every cache that binds a call to a kernel, for a test that changes how the
+    launcher chooses one (forced split counts, counted compiles): the launcher's plans
+    and the entry points' signature fast paths (api._plain_calls, kvcache._decode_steps),
+    which would otherwise replay what an earlier test bound."""
+    from cute_attn import api, kvcache, launcher
+
+    monkeypatch.setattr(launcher, "_plans", {})
+    monkeypatch.setattr(api, "_plain_calls", {})
+    monkeypatch.setattr(kvcache, "_decode_steps", {})
+
+
+def validation_spy(monkeypatch, module, name):
+    """Wrap module.name (a validation entry point) to count its calls: the signature fast
+    paths must reach it only for a signature they have not bound. Returns the list of
+    calls."""
+    real, seen = getattr(module, name), []
+
+    def spy(*args, **kwargs):
+        seen.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen

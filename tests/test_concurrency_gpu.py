@@ -14,10 +14,10 @@ import threading
 
 import pytest
 import torch
-from gpu_helpers import exact_fp32_matmul  # noqa: F401 (fixture)
+from gpu_helpers import exact_fp32_matmul, forget_bound_launches  # noqa: F401 (fixture)
 
 import cute_attn
-from cute_attn import api, launcher
+from cute_attn import launcher
 from cute_attn.reference import attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -40,8 +40,7 @@ def _assert_matches_reference(q, k, v, out, **kw):
 def test_two_threads_cold_cache_compile_once(monkeypatch):
     monkeypatch.setattr(launcher, "_cache", {})
     monkeypatch.setattr(launcher, "_default_kernels", {})
-    monkeypatch.setattr(launcher, "_plans", {})
-    monkeypatch.setattr(api, "_plain_calls", {})  # and mha's bound launches
+    forget_bound_launches(monkeypatch)
     compiles = []
     real_compile_fwd = launcher.compile_fwd
 

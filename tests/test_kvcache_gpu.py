@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import cute_attn
+from cute_attn import kvcache
 from cute_attn.kvcache_reference import kvcache_attention_ref
-from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401  (autouse)
+from gpu_helpers import exact_fp32_matmul, forget_bound_launches, poison_allocator, validation_spy  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -324,34 +325,46 @@ def test_append_kernel_clamps_bad_values_into_the_cache(d, seqlen_new, page_size
         assert torch.equal(cache[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("page_size", [None, 16])
-def test_decode_steps_of_one_signature_take_the_fast_path(page_size):
-    """Decode steps that repeat a signature skip the checks (kvcache._DecodeStep): each of
-    four steps (new lengths, new tokens, a new page table) matches the reference and
-    appends in place; new tokens off TMA's 16-byte alignment, same signature, are still
-    refused."""
-    from cute_attn import kvcache
-
-    batch, cap, h, hkv, d, kw = 3, 2048, 32, 8, 128, dict(causal=True)
+@pytest.mark.parametrize("page_size,num_splits,append", [(None, 0, True), (16, 0, True), (None, 3, False)],
+                         ids=["contiguous-append", "paged16-append", "contiguous-3splits"])
+def test_decode_steps_of_one_signature_take_the_fast_path(page_size, num_splits, append, monkeypatch):
+    """Decode steps that repeat a signature skip the checks (kvcache._DecodeStep): after the
+    first, four steps (new lengths, new tokens, a new page table) never reach validation,
+    yet match the reference and append in place, with lse and (attend-only) without it; a
+    q off TMA's 16-byte alignment, or a negative-bit view of a cache, does reach it and
+    is refused."""
+    batch, cap, h, hkv, d, kw = 3, 2048, 32, 8, 128, dict(causal=True, num_splits=num_splits)
+    new = 1 if append else 0
     lengths = [5, 1500, 700]
-    steps_before = len(kvcache._decode_steps)
-    for step in range(4):
-        q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(batch, 1, cap, h, hkv, d, 1, lengths, seed=40 + step)
+    forget_bound_launches(monkeypatch)
+    checks = None
+    for step in range(5):
+        q, k_cache, v_cache, k_new, v_new, seqlens = _inputs(batch, 1, cap, h, hkv, d, new, lengths, seed=40 + step)
         caches, table = (k_cache, v_cache), None
         if page_size:
-            *caches, table = _paged(k_cache, v_cache, lengths, 1, page_size, seed=40 + step)
+            *caches, table = _paged(k_cache, v_cache, lengths, new, page_size, seed=40 + step)
+        ref_kw = dict(causal=True)
         ref_out, ref_lse, k_after, v_after = kvcache_attention_ref(q, *caches, seqlens, k_new, v_new,
-                                                                   page_table=table, **kw)
-        _, _, k_flat, v_flat = kvcache_attention_ref(q, k_cache, v_cache, seqlens, k_new, v_new, **kw)
-        low = _reference_low(q, k_flat, v_flat, lengths, 1, **kw)
+                                                                   page_table=table, **ref_kw)
+        _, _, k_flat, v_flat = kvcache_attention_ref(q, k_cache, v_cache, seqlens, k_new, v_new, **ref_kw)
+        low = _reference_low(q, k_flat, v_flat, lengths, new, **ref_kw)
         poison_allocator(q.numel() * 2, q.numel() // d * 4)
         out, lse = cute_attn.mha_with_kvcache(q, *caches, k_new, v_new, cache_seqlens=seqlens, page_table=table,
                                               return_lse=True, **kw)
         assert torch.equal(caches[0], k_after) and torch.equal(caches[1], v_after)
-        _assert_close_to_reference(out, lse, ref_out, ref_lse, low, kw)
+        _assert_close_to_reference(out, lse, ref_out, ref_lse, low, ref_kw)
+        if not append:  # the same step again without lse: the launch's shared LSE sink
+            assert torch.equal(cute_attn.mha_with_kvcache(q, *caches, cache_seqlens=seqlens, page_table=table, **kw),
+                               out)
+        if step == 0:  # the signature is bound from here on
+            checks = validation_spy(monkeypatch, kvcache, "validate_kvcache_inputs")
         lengths = [n + 37 * (step + 1) for n in lengths]
-    assert len(kvcache._decode_steps) > steps_before, "the fast path was never armed"
-    buffer = torch.randn(k_new.numel() + 1, device="cuda").to(BF16)
-    k_off = buffer[1:].view(k_new.shape)  # 2 bytes past an aligned address
+    assert not checks, "a bound signature went through validation"
+    buffer = torch.randn(q.numel() + 1, device="cuda").to(BF16)
+    q_off = buffer[1:].view(q.shape)  # 2 bytes past an aligned address
     with pytest.raises(ValueError, match="aligned"):
-        cute_attn.mha_with_kvcache(q, *caches, k_off, v_new, cache_seqlens=seqlens, page_table=table, **kw)
+        cute_attn.mha_with_kvcache(q_off, *caches, k_new, v_new, cache_seqlens=seqlens, page_table=table, **kw)
+    with pytest.raises(ValueError, match="resolve_neg"):
+        cute_attn.mha_with_kvcache(q, torch._neg_view(caches[0]), caches[1], k_new, v_new, cache_seqlens=seqlens,
+                                   page_table=table, **kw)
+    assert len(checks) == 2

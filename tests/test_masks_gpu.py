@@ -381,7 +381,7 @@ def test_learnable_sink_forward_and_backward(name):
     # backward: q, k, v as for the mods, and the sink's gradient against autograd's
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
     leaves = [t.detach().requires_grad_() for t in (q, k, v, sink)]
-    out = cute_attn.mha(*leaves[:3], learnable_sink=leaves[3], **call)
+    out, lse = cute_attn.mha(*leaves[:3], learnable_sink=leaves[3], return_lse=True, **call)  # what backward saves
     grads = torch.autograd.grad(out, leaves, dout)
     _check_grads(q, k, v, dout, grads[:3], mask_mod=mask, score_mod=score, sink=sink)
     # the sink's gradient: a sum over every row, so the floor scales with its size

@@ -10,8 +10,8 @@ full only for bf16 / headdim 128 and a subset of shapes elsewhere (14 kernels).
 
 import pytest
 import torch
-from gpu_checks import Case, check_forward, check_grads, kernel_grads, make_inputs, run_forward
-from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401 (fixture)
+from gpu_checks import Case, call_mha, check_forward, check_grads, kernel_grads, make_inputs, run_forward
+from gpu_helpers import exact_fp32_matmul, forget_bound_launches, poison_allocator, validation_spy  # noqa: F401
 
 import cute_attn
 from cute_attn import api
@@ -188,7 +188,7 @@ def test_late_first_key_with_very_negative_scores(d):
 FAST_PATH_CASES = [
     # GQA, lengths no tile multiple, a grid (7 query tiles x 16 heads x 3) that fills the GPU
     Case(b=3, sq=777, sk=1000, h=16, h_kv=4),
-    Case(b=3, sq=777, sk=1000, h=16, h_kv=4, causal=True),
+    Case(b=3, sq=777, sk=1000, h=16, h_kv=4, causal=True, softmax_scale=0.07),
     # decode: a grid of 8 CTAs, so split-KV with its per-stream workspace
     Case(b=1, sq=1, sk=3000, h=32, h_kv=8, causal=True),
     Case(b=2, sq=5, sk=1031, h=16, h_kv=16),
@@ -196,21 +196,27 @@ FAST_PATH_CASES = [
 
 
 @pytest.mark.parametrize("case", FAST_PATH_CASES, ids=str)
-def test_repeated_signature_takes_the_fast_path(case):
-    """mha's plain call of a signature seen before skips the checks (api._PlainCall): fresh
-    inputs of that signature still match the reference, out alone and with lse, and under
-    autograd; an address off TMA's 16 bytes, same shape and strides, is still refused."""
-    causal = case.causal
-    calls_before = len(api._plain_calls)
-    for seed in (1, 2, 3):
+def test_repeated_signature_takes_the_fast_path(case, monkeypatch):
+    """mha's plain call of a signature seen before skips the checks (api._PlainCall): after
+    the first call, fresh inputs of that signature never reach validation, yet match the
+    reference (out alone, with lse, under autograd); an address off TMA's 16 bytes or a
+    negative-bit view of the same layout does reach it, and is refused."""
+    forget_bound_launches(monkeypatch)
+    q, k, v, dout, cu = make_inputs(case, seed=1)
+    run_forward(case, q, k, v, cu)  # binds the signature
+    checks = validation_spy(monkeypatch, api, "validate_fwd_inputs")
+    for seed in (2, 3):
         q, k, v, dout, cu = make_inputs(case, seed=seed)
         out, lse = run_forward(case, q, k, v, cu)
         check_forward(case, q, k, v, cu, out, lse)
-        assert torch.equal(cute_attn.mha(q, k, v, causal=causal), out)
-    assert len(api._plain_calls) > calls_before, "the fast path was never armed"
+        assert torch.equal(call_mha(case, q, k, v, cu), out)
     check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
+    assert not checks, "a bound signature went through validation"
     buffer = torch.randn(q.numel() + 1, dtype=q.dtype, device="cuda")
     q_off = buffer[1:].view(q.shape)  # 2 bytes past an aligned address
     assert q_off.stride() == q.stride()
     with pytest.raises(ValueError, match="aligned"):
-        cute_attn.mha(q_off, k, v, causal=causal)
+        call_mha(case, q_off, k, v, cu)
+    with pytest.raises(ValueError, match="resolve_neg"):
+        call_mha(case, q, torch._neg_view(k), v, cu)
+    assert len(checks) == 2

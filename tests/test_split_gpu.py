@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import cute_attn
-from cute_attn import api, launcher
+from cute_attn import launcher
 from gpu_checks import Case, check_forward, check_grads, kernel_grads, make_inputs, run_forward
-from gpu_helpers import exact_fp32_matmul  # noqa: F401  (autouse)
+from gpu_helpers import exact_fp32_matmul, forget_bound_launches  # noqa: F401  (autouse)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,8 +28,7 @@ def forced_splits(monkeypatch):
             chosen.append(real(*args))
             return n
         monkeypatch.setattr(launcher, "choose_splits", choose)
-        monkeypatch.setattr(launcher, "_plans", {})  # the plans cache split counts
-        monkeypatch.setattr(api, "_plain_calls", {})  # and mha's bound launches
+        forget_bound_launches(monkeypatch)  # the plans and bound launches cache split counts
         return chosen
     return force
 

@@ -971,3 +971,16 @@ def test_fast_path_rejects_expanded_kv_and_unfoldable_scale_on_gpu():
         cute_attn.mha(q, k, v, softmax_scale=1e39)
     with pytest.raises(TypeError, match=r"causal must be a bool"):
         cute_attn.mha(q, k, v, causal="no")
+
+
+def test_negative_bit_views_are_no_tma_operands():
+    """A lazily negated view has its base's layout and address but holds -x in memory: the
+    fast test sends it to the detailed checks, which name it (a kernel would read +x)."""
+    policy = config.DTYPE_OF_INPUT[torch.bfloat16]
+    q = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
+    neg = torch._neg_view(q)
+    assert neg.stride() == q.stride() and neg.data_ptr() == q.data_ptr()
+    assert validation._layout_problem("q", q, policy) is None
+    assert "resolve_neg" in validation._layout_problem("k", neg, policy)
+    assert validation.plainly_tma_operands(policy, q, q, q)
+    assert not validation.plainly_tma_operands(policy, q, neg, q)
