@@ -14,8 +14,11 @@ of the same e4m3 math (fp8.fp8_attention_emulated) and for the bf16 kernel on th
 inputs; random normal inputs and inputs with outlier channels (4 columns x20), with and
 without quantize_fp8(rotate=True).
 
-Not yet here: cuDNN's FP8 forward (nvidia-cudnn-frontend, carried in a second call; see
-../shared/GPU.md), the anchor of issue 13.
+cuDNN's FP8 forward (perf/cudnn_fp8.py: nvidia-cudnn-frontend, carried to the GPU machine
+in a second call, ../shared/GPU.md) is timed beside them where it imports, on the same bf16
+inputs quantised per tensor, after a check of its output against cute_attn's bf16 one;
+otherwise the run records why it was skipped. It writes O in e4m3 on Hopper (half of
+cute_attn's output bytes) and its scales are per tensor (perf/cudnn_fp8.py says more).
 
     python3 perf/bench_fp8.py [--rounds 3] [--headdims 128,256] [--seqlens 16384] [--out DIR]
 """
@@ -26,12 +29,17 @@ from pathlib import Path
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cudnn_fp8  # noqa: E402
 import harness  # noqa: E402
 from harness import log  # noqa: E402
 
 TOKENS = 16384
 SEQLENS = (4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
+# cuDNN's FP8 output against cute_attn's bf16 one on the same inputs: per-tensor e4m3 with
+# P and O in e4m3 measure a few percent of the output's RMS; an anchor beyond this computes
+# something else and is not timed
+MAX_ANCHOR_REL_RMSE = 0.15
 
 
 def _inputs(batch, seqlen, nheads, headdim, *, outliers=False, rotate=False, seed=0):
@@ -49,15 +57,41 @@ def _inputs(batch, seqlen, nheads, headdim, *, outliers=False, rotate=False, see
     return (q, k, v), quantize_fp8(q, k, v, rotate=rotate)
 
 
+def cudnn_anchor():
+    """(cudnn_fp8.CudnnFp8Attention or None, the reason it is None)."""
+    skip = cudnn_fp8.unavailable()
+    if skip is not None:
+        return None, skip
+    try:
+        return cudnn_fp8.CudnnFp8Attention(), None
+    except Exception as exc:  # noqa: BLE001 (no handle: a recorded skip, not a failed run)
+        return None, harness.reason(exc)
+
+
+def cudnn_error(anchor, inputs, causal, expected):
+    """Relative RMSE of cuDNN's dequantised O against `expected` (cute_attn's bf16 out on
+    the same bf16 inputs): the anchor is timed only where it computes attention."""
+    from cute_attn.fp8 import rmse
+
+    q8, k8, v8, scales = inputs
+    out = anchor(q8, k8, v8, scales, causal).float() * scales["descale_v"]
+    expected = expected.float()
+    return rmse(out, expected) / expected.square().mean().sqrt().item()
+
+
 def sweep(headdims, seqlens, rounds):
     import cute_attn
     from cute_attn import launcher
 
+    anchor, skip = cudnn_anchor()
+    if skip:
+        log(f"cudnn_fp8 skipped: {skip}")
     records = []
     for d in headdims:
         for s in seqlens:
             b, h = max(1, TOKENS // s), 2048 // d
             (q, k, v), (q8, k8, v8, qd, kd, vd) = _inputs(b, s, h, d)
+            per_tensor = cudnn_fp8.prepare(q, k, v) if anchor is not None else None
             for causal in (False, True):
                 flops = harness.attention_flops(b, h, s, s, d, causal)
                 calls = {
@@ -66,6 +100,15 @@ def sweep(headdims, seqlens, rounds):
                     "cute_attn_bf16": lambda: cute_attn.mha(q, k, v, causal=causal),
                     "v_transpose": lambda: launcher.transpose_v_fp8(v8),
                 }
+                cudnn_rel_rmse = None
+                if anchor is not None:
+                    try:
+                        cudnn_rel_rmse = cudnn_error(anchor, per_tensor, causal, cute_attn.mha(q, k, v, causal=causal))
+                        if not cudnn_rel_rmse <= MAX_ANCHOR_REL_RMSE:
+                            raise RuntimeError(f"wrong result (relative RMSE {cudnn_rel_rmse:.3g})")
+                        calls["cudnn_fp8"] = lambda: anchor(*per_tensor, causal)
+                    except Exception as exc:  # noqa: BLE001
+                        log(f"  cudnn_fp8 d{d} s{s} causal={causal}: {harness.reason(exc)}")
                 for fn in calls.values():
                     fn()
                 harness.synchronize()
@@ -76,15 +119,19 @@ def sweep(headdims, seqlens, rounds):
                 ms = {name: harness.median_ms(r) for name, r in ms_rounds.items()}
                 rec = {"headdim": d, "seqlen": s, "batch": b, "nheads": h, "causal": causal,
                        "fp8_ms": ms.get("cute_attn_fp8"), "bf16_ms": ms.get("cute_attn_bf16"),
+                       "cudnn_fp8_ms": ms.get("cudnn_fp8"), "cudnn_fp8_rel_rmse": cudnn_rel_rmse,
                        "vt_us": 1e3 * ms["v_transpose"] if "v_transpose" in ms else None,
                        "ms_rounds": ms_rounds}
-                rec["fp8_tflops"] = harness.tflops(flops, rec["fp8_ms"]) if rec["fp8_ms"] else None
-                rec["bf16_tflops"] = harness.tflops(flops, rec["bf16_ms"]) if rec["bf16_ms"] else None
+                for name in ("fp8", "bf16", "cudnn_fp8"):
+                    rec[f"{name}_tflops"] = harness.tflops(flops, rec[f"{name}_ms"]) if rec[f"{name}_ms"] else None
                 records.append(rec)
+                versus = ""
+                if rec["cudnn_fp8_tflops"]:
+                    versus = f"  cuDNN fp8 {rec['cudnn_fp8_tflops']:.0f} TF/s ({rec['fp8_tflops'] / rec['cudnn_fp8_tflops']:.2f}x)"
                 log(f"d{d:3d} s{s:5d} causal={causal!s:5}: fp8 {rec['fp8_tflops']:.0f} TF/s  bf16 "
                     f"{rec['bf16_tflops']:.0f} TF/s  fp8/bf16 {rec['fp8_tflops'] / rec['bf16_tflops']:.2f}x  "
-                    f"V transpose {rec['vt_us']:.0f} us")
-    return records
+                    f"V transpose {rec['vt_us']:.0f} us" + versus)
+    return records, ({"skipped": skip} if skip else cudnn_fp8.versions())
 
 
 def accuracy(headdims):
@@ -129,9 +176,9 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name()
     info = harness.run_info()
     log(harness.describe_run(device, info))
-    records = [] if args.accuracy_only else sweep(args.headdims, args.seqlens, args.rounds)
+    records, cudnn = ([], None) if args.accuracy_only else sweep(args.headdims, args.seqlens, args.rounds)
     acc = accuracy(args.headdims)
-    doc = harness.build_results(device, records, accuracy=acc,
+    doc = harness.build_results(device, records, accuracy=acc, cudnn_fp8=cudnn,
                                 timing=harness.timing_method(args.rounds, "shape"), **info)
     slug = harness.device_slug(device)
     for directory in harness.output_dirs(args.out, quick=args.accuracy_only):
