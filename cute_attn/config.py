@@ -260,6 +260,10 @@ class FwdConfig(_WarpSpecialized):
     # of the ordered reduction's chain of dependent adds. Measured per head dim and mask
     # (_fwd_tile_config): ptxas hides the chain behind the exp2s in most kernels.
     tree_row_sums: bool = False
+    # FP8 with intra_wg_overlap: two register buffers for P, so that block j's P is
+    # converted to e4m3 while block j-1's PV WGMMA still reads the other one (the bulk of
+    # unmasked blocks, taken in pairs); off: the conversion waits for that WGMMA.
+    p_double_buffer: bool = False
 
     @property
     def kv_box_rows(self) -> int:

@@ -444,3 +444,38 @@ def test_fp8_v_transpose_compiles_with_16_byte_accesses(varlen):
     assert ".target sm_90a" in ptx
     assert ptx.count("ld.global.v4.b32") >= 1 and ptx.count("st.global.v4.b32") >= 1
     assert "ld.global.u8" not in ptx and "st.global.u8" not in ptx
+
+
+def _converts_before_waiting_for_pv(ptx):
+    """Whether some e4m3 conversion of P sits between a wait for the QK^T WGMMA
+    (wait_group 1: the PV WGMMA still in flight) and the next wait_group 0."""
+    events = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+([01])|(cvt\.rn\.satfinite\.e4m3x2)", ptx)
+    in_flight = False
+    for wait, cvt in events:
+        if wait:
+            in_flight = wait == "1"
+        elif cvt and in_flight:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_fp8_double_buffered_p_converts_beside_the_pv_wgmma(head_dim, mask):
+    """FwdConfig.p_double_buffer: block j's P is converted while block j-1's PV WGMMA still
+    runs (the default kernel waits for it first), with no spill and no WGMMA serialisation
+    from ptxas ("wgmma.mma_async instructions are serialized", C751x: e.g. registers of an
+    in-flight WGMMA defined by other instructions), which would undo the overlap."""
+    import dataclasses
+
+    from cute_attn.config import fp8_fwd_config_for
+
+    features = AttnFeatures(mask=mask)
+    base = fp8_fwd_config_for(head_dim, features)
+    default = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, base)
+    double = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, dataclasses.replace(base, p_double_buffer=True))
+    assert not _converts_before_waiting_for_pv(default.ptx)
+    assert _converts_before_waiting_for_pv(double.ptx)
+    if double.cubin is not None:
+        assert " 0 bytes spill stores" in double.ptxas_report, double.ptxas_report
+        assert "serialized" not in double.ptxas_report, double.ptxas_report

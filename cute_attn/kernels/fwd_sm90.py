@@ -172,6 +172,7 @@ class MainloopOperands(NamedTuple):
 
     acc_O: cute.Tensor
     tOrP: cute.Tensor  # P as the A operand of PV (registers)
+    tOrP_next: cute.Tensor  # FwdConfig.p_double_buffer's second P (else tOrP itself)
     tSrQ: cute.Tensor
     tSrK: cute.Tensor
     tOrVt: cute.Tensor
@@ -203,6 +204,8 @@ class FlashFwdSm90:
         self.split_kv = config.split_kv
         self.page_size = config.page_size
         self.tree_row_sums = config.tree_row_sums
+        self.p_double_buffer = config.p_double_buffer
+        assert not self.p_double_buffer or (self.fp8 and self.intra_wg_overlap)
         self.kv_box_rows = config.kv_box_rows
         assert self.page_size == 0 or features.kv_lengths, "a paged cache needs kv_lengths"
         assert not self.fp8 or (self.page_size == 0 and not self.split_kv and self.tile_n % 32 == 0)
@@ -532,9 +535,12 @@ class FlashFwdSm90:
         wg_mma_pv = tiled_mma_pv.get_slice(wg_first_thread)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         sVt = mma_sm90.transpose_view(smem.v)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
         ops = MainloopOperands(
             acc_O=cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32),
-            tOrP=wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n))),
+            tOrP=tOrP,
+            tOrP_next=(wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+                       if cutlass.const_expr(self.p_double_buffer) else tOrP),
             tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.q)),
             tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k)),
             tOrVt=wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt)),
@@ -622,8 +628,20 @@ class FlashFwdSm90:
                 left_end = block_range.n_block_left_mask_end(seqlen, m_block, n_block_min, right_start)
                 for i in cutlass.range(n_block_max - 1 - right_start, unroll=1):
                     kv_state = self.mainloop_step(n_block_max - 2 - i, kv_state, *step, masked=True)
-                for i in cutlass.range(right_start - left_end, unroll=1):
-                    kv_state = self.mainloop_step(right_start - 1 - i, kv_state, *step, masked=False)
+                if cutlass.const_expr(self.p_double_buffer):
+                    # pairs: P lives in tOrP between pairs, in tOrP_next inside one
+                    bulk = right_start - left_end
+                    for i in cutlass.range(bulk // 2, unroll=1):
+                        n = right_start - 1 - 2 * i
+                        kv_state = self.mainloop_step(n, kv_state, *step, masked=False, p_read=ops.tOrP,
+                                                      p_write=ops.tOrP_next)
+                        kv_state = self.mainloop_step(n - 1, kv_state, *step, masked=False,
+                                                      p_read=ops.tOrP_next, p_write=ops.tOrP)
+                    for i in cutlass.range(bulk % 2, unroll=1):
+                        kv_state = self.mainloop_step(left_end, kv_state, *step, masked=False)
+                else:
+                    for i in cutlass.range(right_start - left_end, unroll=1):
+                        kv_state = self.mainloop_step(right_start - 1 - i, kv_state, *step, masked=False)
                 if cutlass.const_expr(window.has_left):
                     for i in cutlass.range(left_end - n_block_min, unroll=1):
                         kv_state = self.mainloop_step(left_end - 1 - i, kv_state, *step, masked=True)
@@ -650,10 +668,13 @@ class FlashFwdSm90:
     def mainloop_step(
         self, n_block, kv_state, ops: MainloopOperands, layouts: FwdLayouts, pipes: FwdPipelines,
         softmax: OnlineSoftmax, mask, mods, dropout, m_block, wg_idx, pending_scale, softcap_pre,
-        masked: cutlass.Constexpr[bool],
+        masked: cutlass.Constexpr[bool], p_read=None, p_write=None,
     ):
         """One KV block. mask: an AttentionMask, or with a mask mod the ModTile (mods),
-        which also applies a score mod to every block."""
+        which also applies a score mod to every block. p_read / p_write (intra-warpgroup
+        overlap, FwdConfig.p_double_buffer): the P buffer the previous block's PV reads
+        and the other one, which this block's P is converted into before that PV is waited
+        for; None: ops.tOrP for both, converted after the wait."""
         tiled_mma_qk, tiled_mma_pv = layouts.mma_qk, layouts.mma_pv
         acc_S = cute.make_rmem_tensor(ops.acc_S_shape, Float32)
         if cutlass.const_expr(self.intra_wg_overlap):
@@ -673,8 +694,8 @@ class FlashFwdSm90:
             softmax.rescale(ops.acc_O, pending_scale)
             pipes.v.consumer_wait(v_state)
             mma_sm90.gemm(
-                tiled_mma_pv, ops.acc_O, ops.tOrP, ops.tOrVt[None, None, None, v_state.index],
-                wait_groups=-1,
+                tiled_mma_pv, ops.acc_O, ops.tOrP if p_read is None else p_read,
+                ops.tOrVt[None, None, None, v_state.index], wait_groups=-1,
             )
             self.pass_turn(wg_idx)
             warpgroup.wait_group(1)
@@ -687,9 +708,14 @@ class FlashFwdSm90:
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
             self.drop(dropout, acc_S, ops.tScS, m_block, n_block)
-            warpgroup.wait_group(0)
-            pipes.v.consumer_release(v_state)
-            self.scores_to_p(acc_S, ops.tOrP)
+            if cutlass.const_expr(p_write is not None):
+                self.scores_to_p(acc_S, p_write)  # beside the PV WGMMA, which reads p_read
+                warpgroup.wait_group(0)
+                pipes.v.consumer_release(v_state)
+            else:
+                warpgroup.wait_group(0)
+                pipes.v.consumer_release(v_state)
+                self.scores_to_p(acc_S, ops.tOrP)
         else:
             pipes.k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
