@@ -419,10 +419,18 @@ class BwdConfig(_WarpSpecialized):
     # recomputing S and dP in full: the dK/dV accumulators of head dims 192 and 256 do not
     # fit in registers next to S and dP.
     d_slice: int = 0
+    # Head dims 192 and 256 without d_slice's recompute (FA4's Hopper choice there, in this
+    # kernel's transposed orientation): tile_n = 64 keys, two consumer warpgroups that
+    # split S^T and dP^T by queries (64 keys x tile_m / 2 each) and dK, dV and dQ by head
+    # dim (d / 2 columns each), so P^T and dS^T pass through shared memory and dV, dK are
+    # SS WGMMAs. Q, dO, K, V use swizzle atoms of d / 2 columns so each half is whole
+    # atoms. Compiled (no spill at 256 and 192), not yet measured: bwd_config_for keeps
+    # d_slice until a GPU run decides (perf/NOTES.md, session 14).
+    split_d: bool = False
 
     @property
     def num_mma_warpgroups(self) -> int:
-        return self.tile_n // 64
+        return 2 if self.split_d else self.tile_n // 64
 
     def num_d_slices(self, head_dim: int) -> int:
         """CTAs that share one KV block, each producing d_slice columns (1: no split)."""
@@ -435,6 +443,15 @@ class BwdConfig(_WarpSpecialized):
             raise ValueError(f"tile_m must be a multiple of 16 in [16, 128], got {self.tile_m}")
         if self.dq_warpgroups not in (1, self.num_mma_warpgroups):
             raise ValueError(f"dq_warpgroups must be 1 or {self.num_mma_warpgroups}, got {self.dq_warpgroups}")
+        if self.split_d and (self.tile_n != 64 or self.d_slice or self.dq_warpgroups != 2):
+            raise ValueError("split_d takes tile_n 64, no d_slice and both warpgroups on dQ, got "
+                             f"tile_n {self.tile_n}, d_slice {self.d_slice}, dq_warpgroups {self.dq_warpgroups}")
+
+
+def split_d_bwd_config(head_dim: int) -> BwdConfig:
+    """BwdConfig.split_d's tiles for head dims 192 and 256: 64 x 64, two stages where the
+    shared memory holds them (192: ~210 KB), one at 256 (two would need ~273 KB)."""
+    return BwdConfig(tile_m=64, tile_n=64, num_stages=2 if head_dim <= 192 else 1, dq_warpgroups=2, split_d=True)
 
 
 def bwd_config_for(head_dim: int, features: AttnFeatures) -> BwdConfig:

@@ -479,3 +479,34 @@ def test_fp8_double_buffered_p_converts_beside_the_pv_wgmma(head_dim, mask):
     if double.cubin is not None:
         assert " 0 bytes spill stores" in double.ptxas_report, double.ptxas_report
         assert "serialized" not in double.ptxas_report, double.ptxas_report
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("features", [AttnFeatures(), AttnFeatures(mask="causal"),
+                                      AttnFeatures(mask="local", softcap=True), AttnFeatures(mask="causal", varlen=True)],
+                         ids=["none", "causal", "local-softcap", "varlen-causal"])
+def test_split_d_backward_compiles_without_spills(head_dim, features):
+    """BwdConfig.split_d (head dims 192/256 without the d_slice recompute): both warpgroups'
+    S^T / dP^T as one N-split WGMMA, dV and dK from shared memory (P^T in its own buffer),
+    a single CTA per KV block; no spill and no WGMMA serialisation in the main kernel."""
+    from cute_attn.config import split_d_bwd_config
+
+    config = split_d_bwd_config(head_dim)
+    arts = ptx_tool.compile_bwd_artifacts("bf16", head_dim, features, config)
+    main = arts["main"]
+    assert config.num_d_slices(head_dim) == 1
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16", main.ptx)  # S^T, dP^T halves
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim // 2}k16\.f32\.bf16\.bf16", main.ptx)  # dK, dV
+    if main.cubin is not None:
+        assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
+        assert "serialized" not in main.ptxas_report, main.ptxas_report
+
+
+def test_split_d_config_is_validated():
+    from cute_attn.config import BwdConfig, split_d_bwd_config
+
+    assert split_d_bwd_config(256).num_mma_warpgroups == 2 and split_d_bwd_config(256).num_stages == 1
+    assert split_d_bwd_config(192).num_stages == 2
+    for bad in (dict(tile_n=128), dict(d_slice=64), dict(dq_warpgroups=1)):
+        with pytest.raises(ValueError, match="split_d"):
+            BwdConfig(**{**dict(tile_m=64, tile_n=64, dq_warpgroups=2, split_d=True), **bad})

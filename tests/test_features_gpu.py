@@ -216,3 +216,34 @@ def test_accuracy_checks_have_teeth(case, wrong):
     check_grads(case, q, k, v, cu, dout, grads)
     with pytest.raises(AssertionError, match=r"d[qkv]: kernel error"):
         check_grads(case, q, k, v, cu, dout, grads, **wrong)
+
+
+# ------------------------------------------- BwdConfig.split_d (not yet bwd_config_for's)
+
+SPLIT_D_CASES = [
+    Case(d=256, h=4, h_kv=4, sq=1000, sk=1000),
+    Case(d=256, h=8, h_kv=2, causal=True, sq=129, sk=1000),
+    Case(d=192, h=4, h_kv=1, causal=True, sq=1000, sk=129),  # rows with no key
+    Case(d=256, h=4, h_kv=2, softcap=20.0, window=(64, 64), sq=333, sk=333),
+    Case(d=192, h=4, h_kv=2, causal=True, lens_q=(300, 0, 1000, 17), lens_k=(129, 5, 1000, 17)),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_D_CASES, ids=str)
+def test_split_d_backward(case, monkeypatch):
+    """The head-dim-split backward for 192/256 (config.split_d_bwd_config), forced in place
+    of bwd_config_for's d_slice one: the accuracy rule of every backward test, and bit-
+    identical deterministic gradients on the GQA and varlen cases."""
+    from cute_attn import launcher
+    from cute_attn.config import split_d_bwd_config
+
+    monkeypatch.setattr(launcher, "bwd_config_for", lambda head_dim, features: split_d_bwd_config(head_dim))
+    q, k, v, dout, cu = make_inputs(case, seed=3)
+    if case.softcap:
+        assert_cap_bites(case, q, k)
+    check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
+    if case.h != case.h_kv:
+        g1 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
+        g2 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2)), "deterministic split_d gradients differ"
+        check_grads(case, q, k, v, cu, dout, g1)

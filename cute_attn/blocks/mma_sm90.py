@@ -43,12 +43,12 @@ def make_tiled_mma(
 
 
 def make_smem_layout(
-    dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: Optional[int] = None
+    dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: Optional[int] = None, atom_cols: Optional[int] = None
 ):
     """A row-major (rows, cols[, stages]) tile with the widest swizzle the row allows
     (128 B for head dims >= 64): conflict-free for TMA writes and WGMMA reads."""
     atom_kind = sm90_helpers.get_smem_layout_atom(
-        cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, cols
+        cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols
     )
     atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
     if stages is None:

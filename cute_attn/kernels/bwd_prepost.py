@@ -102,6 +102,7 @@ class BwdPostprocess:
         self.num_d_slices = config.num_d_slices(head_dim)
         self.d_slice = head_dim // self.num_d_slices
         self.tile_m = config.tile_m
+        self.split_d = config.split_d
         self.dq_wgs = config.dq_warpgroups  # the main kernel's dQ layout: see BwdConfig.dq_warpgroups
         self.num_threads = 128 * self.dq_wgs
         self.scheduler = TileScheduler(self.tile_m, self.varlen, num_splits=self.num_d_slices)
@@ -117,7 +118,8 @@ class BwdPostprocess:
         stream,
     ):
         tiled_mma_dq = dq_accum.make_dq_mma(self.dtype, self.d_slice, self.dq_wgs)
-        sdQ_layout = mma_sm90.make_smem_layout(self.out_dtype, self.tile_m, self.d_slice)
+        sdQ_layout = mma_sm90.make_smem_layout(self.out_dtype, self.tile_m, self.d_slice,
+                                               atom_cols=self.d_slice // self.dq_wgs if self.split_d else None)
 
         @cute.struct
         class SharedStorage:

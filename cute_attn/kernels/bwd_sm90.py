@@ -167,6 +167,7 @@ class BwdSmem(NamedTuple):
     dq: cute.Tensor  # one dQ tile (fp32) on its way to the dQ writer
     dk: cute.Tensor  # the epilogue's views of sK and sV
     dv: cute.Tensor
+    p: cute.Tensor  # split_d: P^T, like ds
 
 
 class StepOperands(NamedTuple):
@@ -182,6 +183,8 @@ class StepOperands(NamedTuple):
     tdQrK: cute.Tensor
     acc_dV: cute.Tensor
     acc_dK: cute.Tensor
+    tdVrP: object = None  # split_d: SS A fragments of P^T and dS^T
+    tdKrdS: object = None
 
 
 class FlashBwdSm90:
@@ -205,6 +208,7 @@ class FlashBwdSm90:
         self.dq_wgs = config.dq_warpgroups
         self.num_dq_threads = 128 * self.dq_wgs
         # the head_dim columns of dK, dV and dQ one CTA produces (see BwdConfig.d_slice)
+        self.split_d = config.split_d  # see BwdConfig.split_d
         self.num_d_slices = config.num_d_slices(head_dim)
         self.d_slice = head_dim // self.num_d_slices
         # one CTA per (KV block, head_dim slice, KV head, batch). n_block 0 sees the most
@@ -257,18 +261,26 @@ class FlashBwdSm90:
         mQ, mK, mV, mdO, mdK, mdV = [bshd_as_sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD, mdQaccum, mdQsemaphore = [rowwise_as_rhb(t) for t in (mLSE2, mD, mdQaccum, mdQsemaphore)]
         d, wgs = self.head_dim, self.num_mma_wg
+        # split_d: each warpgroup's d / 2 columns of Q, dO, K, V (B operands of dK, dV, dQ)
+        # must be whole swizzle atoms (192: 96-column halves straddle the 128-byte atom)
+        half_atoms = d // wgs if self.split_d else None
         layouts = BwdLayouts(
-            sQ=mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages),
-            sK=mma_sm90.make_smem_layout(self.dtype, self.tile_n, d),
+            sQ=mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages, atom_cols=half_atoms),
+            sK=mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, atom_cols=half_atoms),
             # dS^T stored keys x queries with queries contiguous: read back MN-major as dS's A
             sdS=mma_sm90.make_smem_layout(self.p_dtype, self.tile_n, self.tile_m),
             # dK / dV leave through sK / sV, seen as tile_n x d_slice tiles
-            sdKV=mma_sm90.make_smem_layout(self.out_dtype, self.tile_n, self.d_slice),
-            # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 keys x tile_m queries
-            mma_sdp=mma_sm90.make_tiled_mma(self.dtype, OperandMajorMode.K, self.tile_m, wgs),
-            # dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T / Q^T (head_dim contiguous)
+            sdKV=mma_sm90.make_smem_layout(self.out_dtype, self.tile_n, self.d_slice, atom_cols=half_atoms),
+            # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 keys x tile_m queries (split_d:
+            # the two warpgroups side by side on the queries, tile_m / 2 each)
+            mma_sdp=mma_sm90.make_tiled_mma(self.dtype, OperandMajorMode.K,
+                                            self.tile_m // wgs if self.split_d else self.tile_m, wgs,
+                                            warpgroups_along_n=self.split_d),
+            # dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T / Q^T (head_dim
+            # contiguous); split_d: A from shared memory (sP, sdS), each warpgroup d / 2 columns
             mma_dkv=mma_sm90.make_tiled_mma(
-                self.p_dtype, OperandMajorMode.MN, self.d_slice, wgs, a_in_registers=True
+                self.p_dtype, OperandMajorMode.MN, self.d_slice // wgs if self.split_d else self.d_slice, wgs,
+                a_in_registers=not self.split_d, warpgroups_along_n=self.split_d,
             ),
             mma_dq=dq_accum.make_dq_mma(self.p_dtype, self.d_slice, self.dq_wgs),
         )
@@ -308,6 +320,8 @@ class FlashBwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.p_dtype, cute.cosize(layouts.sdS)], 1024]
+            if cutlass.const_expr(self.split_d):  # P^T (keys x queries, like sdS); no bytes otherwise
+                sP: cute.struct.Align[cute.struct.MemRange[self.p_dtype, cute.cosize(layouts.sdS)], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -349,6 +363,7 @@ class FlashBwdSm90:
             # the epilogue's views of the K and V buffers
             dk=storage.sK.get_tensor(sdKV_l.outer, swizzle=sdKV_l.inner),
             dv=storage.sV.get_tensor(sdKV_l.outer, swizzle=sdKV_l.inner),
+            p=storage.sP.get_tensor(sdS_l.outer, swizzle=sdS_l.inner) if self.split_d else None,
         )
 
         tile = self.scheduler.tile()
@@ -529,6 +544,8 @@ class FlashBwdSm90:
             tdQrK=wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(self.d_rows(mma_sm90.transpose_view(smem.k), d_block))),
             acc_dV=cute.make_rmem_tensor(dkv_shape, Float32),
             acc_dK=cute.make_rmem_tensor(dkv_shape, Float32),
+            tdVrP=wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(smem.p)) if self.split_d else None,
+            tdKrdS=wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(smem.ds)) if self.split_d else None,
         )
         acc_dV, acc_dK = ops.acc_dV, ops.acc_dK
         acc_dV.fill(0.0)
@@ -689,22 +706,39 @@ class FlashBwdSm90:
         rdS = cute.make_rmem_tensor_like(acc_dP, self.p_dtype)
         rdS.store(acc_dP.load().to(self.p_dtype))
 
-        mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, mma_sm90.acc_as_operand_a(rP), ops.tdVrdO[None, None, None, stage], wait_groups=-1)
-        mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
-
-        # dS^T to shared memory for dQ = dS K, which needs every warpgroup's keys
         barrier_threads = self.num_mma_threads + 32
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
-        epilogue.regs_to_smem(rdS, smem.ds, tiled_mma_sdp, tidx)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
+        if cutlass.const_expr(self.split_d):
+            # P^T and dS^T to smem: every warpgroup's dV/dK needs all keys x all queries
+            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
+            epilogue.regs_to_smem(rP, smem.p, tiled_mma_sdp, tidx)
+            epilogue.regs_to_smem(rdS, smem.ds, tiled_mma_sdp, tidx)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
+            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, ops.tdVrP, ops.tdVrdO[None, None, None, stage], wait_groups=-1)
+        else:
+            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, mma_sm90.acc_as_operand_a(rP), ops.tdVrdO[None, None, None, stage], wait_groups=-1)
+            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
+
+            # dS^T to shared memory for dQ = dS K, which needs every warpgroup's keys
+            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
+            epilogue.regs_to_smem(rdS, smem.ds, tiled_mma_sdp, tidx)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
 
         if wg_idx < self.dq_wgs:
             acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.d_slice)), Float32)
-            mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
+            if cutlass.const_expr(self.split_d):
+                mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
+                mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, ops.tdKrdS, ops.tdKrQ[None, None, None, stage], wait_groups=1)
+            else:
+                mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                 smem.dq[dq_accum.offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
             cute.arch.fence_view_async_shared()
+            if cutlass.const_expr(self.split_d):
+                # dK's WGMMA reads this stage's Q and sdS: done before the stage is released
+                # below and before sdS is rewritten (the local compile caught its absence)
+                warpgroup.wait_group(0)
         else:
             warpgroup.wait_group(0)
         # every WGMMA reading this stage's Q and dO has completed, and this thread's loads
