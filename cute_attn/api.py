@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from cute_attn.block_mask import BlockMask
+from cute_attn.bounded_cache import remember
 from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, FP8, FP8_POLICY_OF_OUTPUT, UNBOUNDED, AttnFeatures, RunArgs, attn_features
 from cute_attn.validation import (
     _is_compiling,
@@ -215,9 +216,7 @@ def _remember_plain_call(signature, q, k, features, run_args):
     launch = _launcher().bind_fwd(q, k, features, run_args)
     if launch is None:  # a CUDA graph capturing: run_fwd each call
         return
-    if len(_plain_calls) > 4096:
-        _plain_calls.clear()
-    _plain_calls[signature] = _PlainCall(features, run_args, launch)
+    remember(_plain_calls, signature, _PlainCall(features, run_args, launch))
 
 
 def _refuse_fp8_extras(dropout_p, mask_mod=None, score_mod=None, aux_tensors=(), block_mask=None, sink=None):

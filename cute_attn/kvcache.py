@@ -15,6 +15,7 @@ from typing import Optional, Union
 from torch import Tensor
 
 from cute_attn import api
+from cute_attn.bounded_cache import remember
 from cute_attn.config import RunArgs, attn_features
 from cute_attn.kvcache_checks import validate_kvcache_inputs
 
@@ -108,9 +109,7 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
         if plain and q.is_cuda:
             launch = api._launcher().bind_fwd(q, k_cache, features, run_args, problem.num_splits or None)
             if launch is not None:  # (None while a CUDA graph captures)
-                if len(_decode_steps) > 4096:
-                    _decode_steps.clear()
-                _decode_steps[signature] = _DecodeStep(problem.seqlen_new > 0, launch)
+                remember(_decode_steps, signature, _DecodeStep(problem.seqlen_new > 0, launch))
     return (out, lse) if problem.return_lse else out
 
 

@@ -22,6 +22,7 @@ import torch
 
 from cute_attn import split_heuristic
 from cute_attn import dropout
+from cute_attn.bounded_cache import remember
 from cute_attn.config import (
     CAPABILITIES,
     DTYPE_OF_INPUT,
@@ -637,10 +638,7 @@ def _plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[FwdConfi
            (args.max_seqlen_q, args.max_seqlen_k, args.cu_seqlens_q.shape[0]) if features.varlen else None)
     plan = _plans.get(key)
     if plan is None:
-        plan = _make_plan(q, k, features, args, config, num_splits)
-        if len(_plans) > 4096:  # many shapes (varied varlen maxima): start over
-            _plans.clear()
-        _plans[key] = plan
+        plan = remember(_plans, key, _make_plan(q, k, features, args, config, num_splits))
     return plan
 
 
@@ -832,12 +830,9 @@ def _split_workspace(device, parts: int, seqlen_q: int, heads: int, head_dim: in
     if not zeros or zeros[-1].numel() < tiles:
         zeros.append(torch.zeros(max(tiles, 2 * zeros[-1].numel() if zeros else 1024), dtype=torch.int32,
                                  device=device))
-    if len(_workspace_views) > 4096:  # many shapes (varied prefill lengths): start over
-        _workspace_views.clear()
     buf = floats[-1]
-    views = _workspace_views[key] = (buf[:o_numel].view(parts, seqlen_q, heads, head_dim),
-                                     buf[o_numel:numel].view(parts, heads, seqlen_q), zeros[-1][:tiles])
-    return views
+    return remember(_workspace_views, key, (buf[:o_numel].view(parts, seqlen_q, heads, head_dim),
+                                            buf[o_numel:numel].view(parts, heads, seqlen_q), zeros[-1][:tiles]))
 
 
 def _fake_partials(n: "_Symbols", head_dim: int):
@@ -998,10 +993,7 @@ def _lse_sink(device, shape):
             return torch.empty(shape, dtype=torch.float32, device=device)
         size = max(numel, 2 * sinks[-1].numel()) if sinks else max(numel, 1 << 16)
         sinks.append(torch.empty(size, dtype=torch.float32, device=device))
-    if len(_lse_sink_views) > 4096:  # many shapes (varied prefill lengths): start over
-        _lse_sink_views.clear()
-    view = _lse_sink_views[(device, shape)] = sinks[-1][:numel].view(shape)
-    return view
+    return remember(_lse_sink_views, (device, shape), sinks[-1][:numel].view(shape))
 
 
 # ----------------------------------------------------------------------------------------

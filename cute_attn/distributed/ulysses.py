@@ -12,14 +12,14 @@ attention (and the output's gradient likewise), so causal masks see true positio
 import torch
 import torch.distributed as dist
 
+from cute_attn.bounded_cache import remember
 from cute_attn.distributed.layout import global_positions
 from cute_attn.validation import _capturing_cuda_graph
 
 
 # (seqlen, world_size, layout, device) -> (order, inverse): every exchange of every layer
-# asks for the same few, so they are built once; cleared past _ORDERS_MAX keys
+# asks for the same few, so they are built once
 _orders: dict = {}
-_ORDERS_MAX = 256
 
 
 def _rank_order(seqlen: int, world_size: int, layout: str, device, inverse: bool = False) -> torch.Tensor:
@@ -34,9 +34,7 @@ def _rank_order(seqlen: int, world_size: int, layout: str, device, inverse: bool
         orders = (order, back)
         # made during a CUDA graph's capture, they live in the graph's private pool: not to keep
         if not _capturing_cuda_graph():
-            if len(_orders) >= _ORDERS_MAX:
-                _orders.clear()
-            _orders[key] = orders
+            remember(_orders, key, orders, limit=256)
     return orders[1] if inverse else orders[0]
 
 
