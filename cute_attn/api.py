@@ -191,8 +191,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 class _PlainCall:
     """A validated signature of mha's plain call, and how to run it: every check of
     validate_fwd_inputs is a function of the signature (shapes, strides, dtypes, devices,
-    causal, softmax_scale) but the addresses' alignment, which mha tests per call. Host
-    time of the tiny call: perf/NOTES.md, host path."""
+    causal, softmax_scale) but the addresses' alignment and a negative-bit view, which mha
+    tests per call. Host time of the tiny call: perf/NOTES.md, host path."""
 
     __slots__ = ("features", "run_args", "launch")
 
