@@ -124,6 +124,14 @@ CASES = (
          extra={"sink": True, "dropout": 0.2}),
     Case("mods-bd3lm-deterministic-gqa", seqlen_q=302, seqlen_k=302, nheads=4, nheads_kv=2, deterministic=True,
          extra={"mods": "bd3lm"}),
+    # configs not yet the defaults, forced (extra "config"): the head-dim-split backward
+    # (P^T / dS^T through shared memory) and the FP8 forward's double-buffered P
+    Case("split-d-hd256-causal-gqa", head_dim=256, nheads=4, nheads_kv=2, causal=True,
+         extra={"config": "split_d"}),
+    Case("split-d-hd192-varlen", head_dim=192, nheads=4, nheads_kv=1, causal=True,
+         lengths=((0, 40), (150, 200), (277, 129)), extra={"config": "split_d"}),
+    Case("fp8-p-double-hd128", dtype="fp8", seqlen_q=700, seqlen_k=900, backward=False,
+         extra={"config": "p_double_buffer"}),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
     Case("lse-combine", batch=2, seqlen_q=300, nheads=3, backward=False, extra={"combine": 3}),
 )
@@ -200,6 +208,7 @@ def run_case(case):
         return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
 
     d, h, hk = case.head_dim, case.nheads, case.nheads_kv
+    force_config(case.extra.get("config"))
     kwargs = dict(causal=case.causal, window_size=case.window_size, softcap=case.softcap,
                   deterministic=case.deterministic)
     if case.kvcache:
@@ -253,6 +262,21 @@ def run_case(case):
     if case.backward:
         torch.autograd.grad(out, tensors, torch.randn_like(out))
     torch.cuda.synchronize()
+
+
+def force_config(name):
+    """Swap the launcher's config choice for a case's forced one (this child only)."""
+    import dataclasses
+
+    from cute_attn import config, launcher
+
+    if name == "split_d":
+        launcher.bwd_config_for = lambda head_dim, features: config.split_d_bwd_config(head_dim)
+    elif name == "p_double_buffer":
+        launcher.fp8_fwd_config_for = lambda *a, **kw: dataclasses.replace(
+            config.fp8_fwd_config_for(*a, **kw), p_double_buffer=True)
+    elif name is not None:
+        raise ValueError(f"unknown forced config {name!r}")
 
 
 def mod_kwargs(case, gen):
