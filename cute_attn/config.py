@@ -424,9 +424,15 @@ class BwdConfig(_WarpSpecialized):
     # split S^T and dP^T by queries (64 keys x tile_m / 2 each) and dK, dV and dQ by head
     # dim (d / 2 columns each), so P^T and dS^T pass through shared memory and dV, dK are
     # SS WGMMAs. Q, dO, K, V use swizzle atoms of d / 2 columns so each half is whole
-    # atoms. Compiled (no spill at 256 and 192), not yet measured: bwd_config_for keeps
-    # d_slice until a GPU run decides (perf/NOTES.md, session 14).
+    # atoms. Measured 1.26-1.73x d_slice at 4K/16K (perf/NOTES.md, session 15).
     split_d: bool = False
+    # dQ leaves each step as vector atomics (red.global.add.v2.f32) from the consumers'
+    # accumulators into dQ_accum (blocks/dq_accum.add_from_registers) instead of through
+    # an fp32 sdQ tile and the dQ writer warp's bulk reduce-add (FlashAttention-3's choice
+    # at head dim 256). It frees tile_m * head_dim * 4 bytes of shared memory (64 KB at
+    # 256: room for a second Q/dO stage) and the DQ_FULL / DQ_EMPTY hand-off. Atomics land
+    # in no fixed order, so the deterministic backward never takes it (bwd_config_for).
+    dq_atomic: bool = False
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -448,13 +454,18 @@ class BwdConfig(_WarpSpecialized):
                              f"tile_n {self.tile_n}, d_slice {self.d_slice}, dq_warpgroups {self.dq_warpgroups}")
 
 
-def split_d_bwd_config(head_dim: int) -> BwdConfig:
-    """BwdConfig.split_d's tiles for head dims 192 and 256: 64 x 64, two stages where the
-    shared memory holds them (192: ~210 KB), one at 256 (two would need ~273 KB)."""
-    return BwdConfig(tile_m=64, tile_n=64, num_stages=2 if head_dim <= 192 else 1, dq_warpgroups=2, split_d=True)
+def split_d_bwd_config(head_dim: int, deterministic: bool = False) -> BwdConfig:
+    """BwdConfig.split_d's tiles for head dims 192 and 256: 64 x 64. With dQ by atomics
+    (the default) two stages at both (256: ~210 KB of shared memory). The deterministic
+    backward keeps the sdQ tile (64 KB at 256) for its ordered reduce-adds, and so one
+    stage at 256 (two would need ~273 KB), two at 192."""
+    if deterministic:
+        stages = 2 if head_dim <= 192 else 1
+        return BwdConfig(tile_m=64, tile_n=64, num_stages=stages, dq_warpgroups=2, split_d=True)
+    return BwdConfig(tile_m=64, tile_n=64, num_stages=2, dq_warpgroups=2, split_d=True, dq_atomic=True)
 
 
-def bwd_config_for(head_dim: int, features: AttnFeatures) -> BwdConfig:
+def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = False) -> BwdConfig:
     """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages. At head dim
     96 one warpgroup computes dQ: a 48-column half would straddle the 32-column swizzle
     atoms of the 96-wide K tile, which WGMMA's B operand cannot address. At head dim 64
@@ -462,13 +473,12 @@ def bwd_config_for(head_dim: int, features: AttnFeatures) -> BwdConfig:
     64 x 128 per warpgroup), which halves the per-step barriers and waits against the
     GEMM work; the window's second masked loop and the softcap's tanh spill there
     (36-108 bytes, ptxas), so those and the mods and dropout (per-element work of the
-    same kind) keep 64 rows. perf/NOTES.md has the A/B."""
+    same kind) keep 64 rows. Head dims 192 and 256 split the head dim between the two
+    warpgroups (split_d_bwd_config). perf/NOTES.md has the A/Bs."""
     if head_dim <= 64 and not (features.local or features.softcap or features.has_mods or features.dropout):
         return BwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim > 128:
-        # Correct, not fast: head_dim / 64 CTAs per KV block each recompute S and dP
-        # (9/5 of the FLOPs at 192, 11/5 at 256). One stage keeps full-width Q, dO, K, V
-        # tiles within shared memory; 64-column slices are one swizzle atom, so one
-        # warpgroup takes dQ (half an atom cannot be a WGMMA B operand).
-        return BwdConfig(tile_m=64, tile_n=128, num_stages=1, dq_warpgroups=1, d_slice=64)
+        # split_d measured 1.26-1.58x d_slice's recompute at 256 and 1.48-1.73x at 192
+        # (H100, 4K and 16K, causal or not; perf/NOTES.md, session 15)
+        return split_d_bwd_config(head_dim, deterministic)
     return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2)

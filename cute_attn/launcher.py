@@ -1095,7 +1095,7 @@ def run_bwd(
         features = dataclasses.replace(features, sink=False)
     lse_in = lse
     if config is None:
-        config = bwd_config_for(head_dim, features)
+        config = bwd_config_for(head_dim, features, bool(deterministic))
     pre, main, post = get_bwd_kernels(
         BwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config, bool(deterministic))
     )

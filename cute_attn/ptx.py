@@ -49,7 +49,7 @@ def compile_bwd_artifacts(
     deterministic: bool = False,
 ) -> dict:
     """{"preprocess" | "main" | "postprocess": CompiledArtifacts} of one backward."""
-    key = BwdKey(dtype, head_dim, features, config or bwd_config_for(head_dim, features), deterministic)
+    key = BwdKey(dtype, head_dim, features, config or bwd_config_for(head_dim, features, deterministic), deterministic)
     fns = compile_bwd(key, "--keep-ptx --keep-cubin")
     return {
         name: CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))

@@ -124,12 +124,12 @@ CASES = (
          extra={"sink": True, "dropout": 0.2}),
     Case("mods-bd3lm-deterministic-gqa", seqlen_q=302, seqlen_k=302, nheads=4, nheads_kv=2, deterministic=True,
          extra={"mods": "bd3lm"}),
-    # configs not yet the defaults, forced (extra "config"): the head-dim-split backward
-    # (P^T / dS^T through shared memory) and the FP8 forward's double-buffered P
-    Case("split-d-hd256-causal-gqa", head_dim=256, nheads=4, nheads_kv=2, causal=True,
-         extra={"config": "split_d"}),
+    # the head-dim-split backward of 192/256 (P^T / dS^T through shared memory): dQ by
+    # atomics, and the deterministic one's sdQ tile with its ordered reduce-adds
     Case("split-d-hd192-varlen", head_dim=192, nheads=4, nheads_kv=1, causal=True,
-         lengths=((0, 40), (150, 200), (277, 129)), extra={"config": "split_d"}),
+         lengths=((0, 40), (150, 200), (277, 129))),
+    Case("split-d-hd256-deterministic-gqa", head_dim=256, nheads=4, nheads_kv=2, causal=True, deterministic=True),
+    # a config not yet the default, forced (extra "config"): the FP8 forward's double-buffered P
     Case("fp8-p-double-hd128", dtype="fp8", seqlen_q=700, seqlen_k=900, backward=False,
          extra={"config": "p_double_buffer"}),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
@@ -270,9 +270,7 @@ def force_config(name):
 
     from cute_attn import config, launcher
 
-    if name == "split_d":
-        launcher.bwd_config_for = lambda head_dim, features: config.split_d_bwd_config(head_dim)
-    elif name == "p_double_buffer":
+    if name == "p_double_buffer":
         launcher.fp8_fwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.fp8_fwd_config_for(*a, **kw), p_double_buffer=True)
     elif name is not None:

@@ -486,27 +486,49 @@ def test_fp8_double_buffered_p_converts_beside_the_pv_wgmma(head_dim, mask):
                                       AttnFeatures(mask="local", softcap=True), AttnFeatures(mask="causal", varlen=True)],
                          ids=["none", "causal", "local-softcap", "varlen-causal"])
 def test_split_d_backward_compiles_without_spills(head_dim, features):
-    """BwdConfig.split_d (head dims 192/256 without the d_slice recompute): both warpgroups'
-    S^T / dP^T as one N-split WGMMA, dV and dK from shared memory (P^T in its own buffer),
-    a single CTA per KV block; no spill and no WGMMA serialisation in the main kernel."""
-    from cute_attn.config import split_d_bwd_config
+    """BwdConfig.split_d (head dims 192/256 without the d_slice recompute, bwd_config_for's
+    choice): both warpgroups' S^T / dP^T as one N-split WGMMA, dV and dK from shared memory
+    (P^T in its own buffer), a single CTA per KV block, dQ by vector atomics from registers
+    (no bulk reduce-add); no spill and no WGMMA serialisation in the main kernel."""
+    from cute_attn.config import bwd_config_for
 
-    config = split_d_bwd_config(head_dim)
+    config = bwd_config_for(head_dim, features)
+    assert config.split_d and config.dq_atomic and config.num_stages == 2
     arts = ptx_tool.compile_bwd_artifacts("bf16", head_dim, features, config)
     main = arts["main"]
     assert config.num_d_slices(head_dim) == 1
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16", main.ptx)  # S^T, dP^T halves
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim // 2}k16\.f32\.bf16\.bf16", main.ptx)  # dK, dV
+    assert "red.global.add.v2.f32" in main.ptx and "cp.reduce.async.bulk" not in main.ptx
     if main.cubin is not None:
         assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
         assert "serialized" not in main.ptxas_report, main.ptxas_report
 
 
+def test_split_d_deterministic_backward_keeps_the_ordered_reduce():
+    """The deterministic backward at 256 cannot take dQ atomics (no order): bwd_config_for
+    gives it the sdQ tile and the dQ writer's turn-ordered bulk reduce-adds, one stage."""
+    from cute_attn.config import bwd_config_for
+
+    features = AttnFeatures(mask="causal")
+    config = bwd_config_for(256, features, deterministic=True)
+    assert config.split_d and not config.dq_atomic and config.num_stages == 1
+    main = ptx_tool.compile_bwd_artifacts("bf16", 256, features, config, deterministic=True)["main"]
+    assert "red.global.add.v2.f32" not in main.ptx and "cp.reduce.async.bulk" in main.ptx
+    if main.cubin is not None:
+        assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
+
+
 def test_split_d_config_is_validated():
     from cute_attn.config import BwdConfig, split_d_bwd_config
+    from cute_attn.kernels.bwd_sm90 import FlashBwdSm90
+    from cute_attn.config import DTYPES
 
-    assert split_d_bwd_config(256).num_mma_warpgroups == 2 and split_d_bwd_config(256).num_stages == 1
-    assert split_d_bwd_config(192).num_stages == 2
+    assert split_d_bwd_config(256).num_mma_warpgroups == 2 and split_d_bwd_config(256).num_stages == 2
+    assert split_d_bwd_config(256, deterministic=True).num_stages == 1
+    assert split_d_bwd_config(192).num_stages == split_d_bwd_config(192, deterministic=True).num_stages == 2
+    with pytest.raises(ValueError, match="deterministic"):
+        FlashBwdSm90(DTYPES["bf16"], 256, AttnFeatures(), split_d_bwd_config(256), deterministic=True)
     for bad in (dict(tile_n=128), dict(d_slice=64), dict(dq_warpgroups=1)):
         with pytest.raises(ValueError, match="split_d"):
             BwdConfig(**{**dict(tile_m=64, tile_n=64, dq_warpgroups=2, split_d=True), **bad})

@@ -218,7 +218,7 @@ def test_accuracy_checks_have_teeth(case, wrong):
         check_grads(case, q, k, v, cu, dout, grads, **wrong)
 
 
-# ------------------------------------------- BwdConfig.split_d (not yet bwd_config_for's)
+# ------------------------------------------- BwdConfig.split_d (bwd_config_for's at 192/256)
 
 SPLIT_D_CASES = [
     Case(d=256, h=4, h_kv=4, sq=1000, sk=1000),
@@ -229,20 +229,24 @@ SPLIT_D_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dq_path", ["atomic", "sdq"])
 @pytest.mark.parametrize("case", SPLIT_D_CASES, ids=str)
-def test_split_d_backward(case, monkeypatch):
-    """The head-dim-split backward for 192/256 (config.split_d_bwd_config), forced in place
-    of bwd_config_for's d_slice one: the accuracy rule of every backward test, and bit-
-    identical deterministic gradients on the GQA and varlen cases."""
-    from cute_attn import launcher
-    from cute_attn.config import split_d_bwd_config
+def test_split_d_backward(case, dq_path, monkeypatch):
+    """The head-dim-split backward for 192/256 (config.split_d_bwd_config): bwd_config_for's
+    dQ by atomics, and the sdQ tile with the dQ writer (the deterministic backward's path,
+    forced here without determinism): the accuracy rule of every backward test, and
+    bit-identical deterministic gradients on the GQA and varlen cases."""
+    from cute_attn import config, launcher
 
-    monkeypatch.setattr(launcher, "bwd_config_for", lambda head_dim, features: split_d_bwd_config(head_dim))
+    assert config.bwd_config_for(case.d, config.AttnFeatures()).dq_atomic
+    if dq_path == "sdq":
+        monkeypatch.setattr(launcher, "bwd_config_for",
+                            lambda head_dim, features, deterministic=False: config.split_d_bwd_config(head_dim, True))
     q, k, v, dout, cu = make_inputs(case, seed=3)
     if case.softcap:
         assert_cap_bites(case, q, k)
     check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
-    if case.h != case.h_kv:
+    if case.h != case.h_kv and dq_path == "atomic":
         g1 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
         g2 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(g1, g2)), "deterministic split_d gradients differ"

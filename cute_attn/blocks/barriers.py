@@ -16,3 +16,6 @@ class NamedBarrier(enum.IntEnum):
     DQ_EMPTY = 6
     # backward: every consumer warpgroup has written its rows of dS to shared memory
     DS_READY = 7
+    # backward with dQ atomics (no dQ writer): every consumer warpgroup is done reading the
+    # previous step's sdS (and sP), so they may be rewritten
+    DS_FREE = 8

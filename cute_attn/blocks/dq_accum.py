@@ -1,6 +1,8 @@
 """The backward's fp32 dQ accumulator: the contract between the main kernel, which adds
-each query tile's dQ into it with bulk reduce-adds (kernels/bwd_sm90.py), and the
-postprocess, which reads it back and writes dQ (kernels/bwd_prepost.py).
+each query tile's dQ into it (kernels/bwd_sm90.py: bulk reduce-adds of an sdQ tile by the
+dQ writer warp, or with BwdConfig.dq_atomic vector atomics straight from the consumers'
+registers, `add_from_registers`), and the postprocess, which reads it back and writes dQ
+(kernels/bwd_prepost.py).
 
 Layout: per (batch, head), one chunk of tile_m * d_slice floats per (query block, head_dim
 slice), query block major. Varlen batches pad each sequence to whole query tiles
@@ -9,8 +11,12 @@ the register order of the dQ WGMMA's accumulator fragment (`offset`), so each th
 stores are conflict-free and a warp's stores fill contiguous bytes.
 """
 
+import cutlass
 import cutlass.cute as cute
+from cutlass import Float32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.cutlass_dsl import dsl_user_op
 
 from cute_attn.blocks import mma_sm90
 
@@ -34,3 +40,27 @@ def offset(i: int, tidx, num_threads: int):
 def chunk_index(padded_m_block_offset, m_block, d_block, num_d_slices: int):
     """The chunk of (query block, head_dim slice) within its (batch, head) row."""
     return (padded_m_block_offset + m_block) * num_d_slices + d_block
+
+
+@dsl_user_op
+def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None):
+    """global[0:2] += (a, b): one fire-and-forget vector reduction (sm_90), performed in L2,
+    unordered between threads and CTAs. ptr must be 8-byte aligned."""
+    llvm.inline_asm(
+        None,
+        [ptr.llvm_ptr, Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@cute.jit
+def add_from_registers(acc: cute.Tensor, chunk: cute.Tensor, tidx, num_threads: cutlass.Constexpr[int]):
+    """chunk += this thread's dQ accumulator fragment, in the chunk's register order
+    (`offset`): each register pair is one 8-byte vector atomic, and a warp's pairs cover
+    256 contiguous bytes, so the reductions coalesce like the sdQ stores they replace."""
+    for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+        red_add_f32x2(chunk.iterator + offset(i, tidx, num_threads), acc[i], acc[i + 1])

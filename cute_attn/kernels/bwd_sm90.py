@@ -33,6 +33,10 @@ Barrier protocol per query block (named barriers, see blocks/barriers.py):
 dQ_accum is laid out per query tile in the order of the dQ WGMMA's accumulator fragments
 (blocks/dq_accum.py), so each thread's stores to sdQ are conflict-free and the reduce is
 one contiguous chunk; the postprocess undoes the permutation.
+BwdConfig.dq_atomic (head dims 192/256, not deterministic) drops sdQ and the writer: each
+consumer thread adds its dQ registers into the same chunk layout with 8-byte vector
+atomics while its dK WGMMA runs, and the consumers alone agree that sdS (and sP) may be
+rewritten (DS_FREE, a consumer-only barrier, in place of the writer's DQ_EMPTY).
 
 deterministic=True: the dQ writer of KV block n waits, per query block, until KV blocks
 0..n-1 have added theirs (a turn counter in global memory, blocks/semaphore.py), so the
@@ -207,6 +211,9 @@ class FlashBwdSm90:
         self.producer_regs, self.mma_regs = config.registers
         self.dq_wgs = config.dq_warpgroups
         self.num_dq_threads = 128 * self.dq_wgs
+        self.dq_atomic = config.dq_atomic  # see BwdConfig.dq_atomic
+        if self.dq_atomic and deterministic:
+            raise ValueError("the deterministic backward orders its dQ reduce-adds: dq_atomic cannot serve it")
         # the head_dim columns of dK, dV and dQ one CTA produces (see BwdConfig.d_slice)
         self.split_d = config.split_d  # see BwdConfig.split_d
         self.num_d_slices = config.num_d_slices(head_dim)
@@ -314,7 +321,8 @@ class FlashBwdSm90:
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.d_slice], 128]
+            if cutlass.const_expr(not self.dq_atomic):  # dQ atomics need no staging tile
+                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.d_slice], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
@@ -359,7 +367,7 @@ class FlashBwdSm90:
             ds=storage.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner),
             lse2=storage.sLSE2.get_tensor(stats_layout),
             dsum=storage.sD.get_tensor(stats_layout),
-            dq=storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.d_slice)),
+            dq=None if self.dq_atomic else storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.d_slice)),
             # the epilogue's views of the K and V buffers
             dk=storage.sK.get_tensor(sdKV_l.outer, swizzle=sdKV_l.inner),
             dv=storage.sV.get_tensor(sdKV_l.outer, swizzle=sdKV_l.inner),
@@ -385,8 +393,9 @@ class FlashBwdSm90:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.produce(g, smem, pipes, tile, group, block_range, seqlen)
-                if warp_idx == 1:
-                    self.write_dq(g, smem.dq, tile, group, block_range, seqlen)
+                if cutlass.const_expr(not self.dq_atomic):
+                    if warp_idx == 1:
+                        self.write_dq(g, smem.dq, tile, group, block_range, seqlen)
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 self.consume(g, layouts, smem, pipes, tile, group, block_range, seqlen, window, score, tidx - 128)
@@ -566,6 +575,12 @@ class FlashBwdSm90:
         step = (n_block, ops, layouts, smem, pipes, score.scale_log2, score.softcap_pre, tidx)
         # dK and dV sum over the group's query heads right here, in the accumulators
         for i in cutlass.range(group, unroll=1):
+            dq_dest = None
+            if cutlass.const_expr(self.dq_atomic):
+                # this head's dQ_accum chunks, and the first of this sequence's query blocks
+                chunks = cute.local_tile(g.dq_accum[None, head_kv * group + i, seqlen.batch],
+                                         (self.tile_m * self.d_slice,), (None,))
+                dq_dest = (chunks, dq_accum.chunk_index(seqlen.padded_m_block_offset, 0, d_block, self.num_d_slices))
             dropout = None
             if cutlass.const_expr(self.features.dropout):
                 # the sequence's index, as the forward's tile.batch (seqlen.batch is 0 for varlen)
@@ -579,21 +594,21 @@ class FlashBwdSm90:
                 # ones (never the KV tile cut by seqlen_k, block_mask.py) none
                 blocks, _, count = self.q_blocks(g, tile, head_kv * group + i, block_range, seqlen)
                 for j in cutlass.range(blocks.num_partial, unroll=1):
-                    self.step(blocks.block(j), state, *step, mods, mods, dropout, masked=True)
+                    self.step(blocks.block(j), state, *step, mods, mods, dropout, dq_dest, masked=True)
                     state.advance()
                 for j in cutlass.range(blocks.num_partial, count, unroll=1):
-                    self.step(blocks.block(j), state, *step, mods, mods, dropout, masked=False)
+                    self.step(blocks.block(j), state, *step, mods, mods, dropout, dq_dest, masked=False)
                     state.advance()
             else:
                 for m_block in cutlass.range(m_block_min, right_end, unroll=1):
-                    self.step(m_block, state, *step, mask, mods, dropout, masked=True)
+                    self.step(m_block, state, *step, mask, mods, dropout, dq_dest, masked=True)
                     state.advance()
                 for m_block in cutlass.range(right_end, left_start, unroll=1):
-                    self.step(m_block, state, *step, mask, mods, dropout, masked=False)
+                    self.step(m_block, state, *step, mask, mods, dropout, dq_dest, masked=False)
                     state.advance()
                 if cutlass.const_expr(window.has_left):
                     for m_block in cutlass.range(left_start, m_block_max, unroll=1):
-                        self.step(m_block, state, *step, mask, mods, dropout, masked=True)
+                        self.step(m_block, state, *step, mask, mods, dropout, dq_dest, masked=True)
                         state.advance()
 
         # Epilogue: dV and dK leave through sV and sK, which every warpgroup must be done
@@ -627,12 +642,13 @@ class FlashBwdSm90:
     @cute.jit
     def step(
         self, m_block, state, n_block, ops: StepOperands, layouts: BwdLayouts, smem: BwdSmem,
-        pipes: BwdPipelines, scale_log2, softcap_pre, tidx, mask, mods, dropout,
+        pipes: BwdPipelines, scale_log2, softcap_pre, tidx, mask, mods, dropout, dq_dest,
         masked: cutlass.Constexpr[bool],
     ):
         """One query block: the five GEMMs for this CTA's keys. mask: an AttentionMask, or
         with a mask mod the ModTile (mods), which also applies a score mod. dropout: a
-        blocks/dropout.Dropout or None."""
+        blocks/dropout.Dropout or None. dq_dest: with dq_atomic, (this head's dQ_accum
+        chunks, the chunk of query block 0), else None."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = layouts.mma_sdp, layouts.mma_dkv, layouts.mma_dq
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
@@ -709,7 +725,7 @@ class FlashBwdSm90:
         barrier_threads = self.num_mma_threads + 32
         if cutlass.const_expr(self.split_d):
             # P^T and dS^T to smem: every warpgroup's dV/dK needs all keys x all queries
-            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
+            self.wait_ds_free(barrier_threads)
             epilogue.regs_to_smem(rP, smem.p, tiled_mma_sdp, tidx)
             epilogue.regs_to_smem(rdS, smem.ds, tiled_mma_sdp, tidx)
             cute.arch.fence_view_async_shared()
@@ -720,7 +736,7 @@ class FlashBwdSm90:
             mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
 
             # dS^T to shared memory for dQ = dS K, which needs every warpgroup's keys
-            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
+            self.wait_ds_free(barrier_threads)
             epilogue.regs_to_smem(rdS, smem.ds, tiled_mma_sdp, tidx)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
@@ -732,9 +748,14 @@ class FlashBwdSm90:
                 mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, ops.tdKrdS, ops.tdKrQ[None, None, None, stage], wait_groups=1)
             else:
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
-            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                smem.dq[dq_accum.offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
-            cute.arch.fence_view_async_shared()
+            if cutlass.const_expr(self.dq_atomic):
+                chunks, chunk0 = dq_dest
+                dq_accum.add_from_registers(acc_dQ, chunks[None, chunk0 + m_block * self.num_d_slices], tidx,
+                                            self.num_dq_threads)
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                    smem.dq[dq_accum.offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
+                cute.arch.fence_view_async_shared()
             if cutlass.const_expr(self.split_d):
                 # dK's WGMMA reads this stage's Q and sdS: done before the stage is released
                 # below and before sdS is rewritten (the local compile caught its absence)
@@ -744,7 +765,19 @@ class FlashBwdSm90:
         # every WGMMA reading this stage's Q and dO has completed, and this thread's loads
         # of its LSE2 and D are done (release_after_loads says why it syncs the warp)
         release_after_loads(state, pipes.q, pipes.do)
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+        if cutlass.const_expr(not self.dq_atomic):
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+
+    @cute.jit
+    def wait_ds_free(self, barrier_threads: cutlass.Constexpr[int]):
+        """Before sdS (and sP) are rewritten: every warpgroup's WGMMAs of the previous step
+        that read them have completed (each consumer waits on its own before arriving).
+        The dQ writer's DQ_EMPTY also says sdQ is free again; with dQ atomics there is no
+        sdQ and no writer, so the consumers meet among themselves."""
+        if cutlass.const_expr(self.dq_atomic):
+            cute.arch.barrier(barrier_id=int(NamedBarrier.DS_FREE), number_of_threads=self.num_mma_threads)
+        else:
+            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
 
 
 class FlashBwdSm90Mods(FlashBwdSm90):
