@@ -426,7 +426,7 @@ class BwdConfig(_WarpSpecialized):
     # SS WGMMAs. Q, dO, K, V use swizzle atoms of d / 2 columns so each half is whole
     # atoms. Measured 1.26-1.73x d_slice at 4K/16K (perf/NOTES.md, session 15).
     split_d: bool = False
-    # dQ leaves each step as vector atomics (red.global.add.v4.f32) from the consumers'
+    # dQ leaves each step as vector atomics (red.global.add.v2.f32) from the consumers'
     # accumulators into dQ_accum (blocks/dq_accum.add_from_registers) instead of through
     # an fp32 sdQ tile and the dQ writer warp's bulk reduce-add (FlashAttention-3's choice
     # at head dim 256). It frees tile_m * head_dim * 4 bytes of shared memory (64 KB at

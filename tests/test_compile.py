@@ -127,7 +127,7 @@ def test_backward_compiles_with_hopper_instructions(compiled_bwd, dtype, head_di
     if head_dim <= 128:
         assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in text  # dQ by the writer warp
     else:
-        assert "red.global.add.v4.f32" in text  # dQ by atomics from registers (BwdConfig.dq_atomic)
+        assert "red.global.add.v2.f32" in text  # dQ by atomics from registers (BwdConfig.dq_atomic)
     assert "setmaxnreg.dec" in text and "setmaxnreg.inc" in text
     assert "mbarrier.try_wait" in text
     for name, art in arts.items():
@@ -502,7 +502,7 @@ def test_split_d_backward_compiles_without_spills(head_dim, features):
     assert config.num_d_slices(head_dim) == 1
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16", main.ptx)  # S^T, dP^T halves
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim // 2}k16\.f32\.bf16\.bf16", main.ptx)  # dK, dV
-    assert "red.global.add.v4.f32" in main.ptx and "cp.reduce.async.bulk" not in main.ptx
+    assert "red.global.add.v2.f32" in main.ptx and "cp.reduce.async.bulk" not in main.ptx
     if main.cubin is not None:
         assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
         assert "serialized" not in main.ptxas_report, main.ptxas_report
@@ -517,7 +517,7 @@ def test_split_d_deterministic_backward_keeps_the_ordered_reduce():
     config = bwd_config_for(256, features, deterministic=True)
     assert config.split_d and not config.dq_atomic and config.num_stages == 1
     main = ptx_tool.compile_bwd_artifacts("bf16", 256, features, config, deterministic=True)["main"]
-    assert "red.global.add.v4.f32" not in main.ptx and "cp.reduce.async.bulk" in main.ptx
+    assert "red.global.add.v2.f32" not in main.ptx and "cp.reduce.async.bulk" in main.ptx
     if main.cubin is not None:
         assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
 

@@ -30,16 +30,11 @@ def make_dq_mma(dtype, d_slice: int, num_warpgroups: int) -> cute.TiledMma:
     )
 
 
-# registers per thread that sit side by side in a chunk: one 16-byte access (store to
-# sdQ, vector atomic, load in the postprocess)
-VECTOR = 4
-
-
 def offset(i: int, tidx, num_threads: int):
-    """Where accumulator register i of thread tidx lives in a chunk: groups of VECTOR
-    registers are interleaved across threads, so a warp's 16-byte accesses fill 512
+    """Where accumulator register i of thread tidx lives in a chunk: pairs of registers
+    (adjacent columns) are interleaved across threads, so a warp's 8-byte stores fill 256
     contiguous bytes."""
-    return (i // VECTOR) * (VECTOR * num_threads) + tidx * VECTOR + (i % VECTOR)
+    return (i // 2) * (2 * num_threads) + tidx * 2 + (i % 2)
 
 
 def chunk_index(padded_m_block_offset, m_block, d_block, num_d_slices: int):
@@ -48,14 +43,14 @@ def chunk_index(padded_m_block_offset, m_block, d_block, num_d_slices: int):
 
 
 @dsl_user_op
-def red_add_f32x4(ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
-    """global[0:4] += (a, b, c, d): one fire-and-forget vector reduction (sm_90), performed
-    in L2, unordered between threads and CTAs. ptr must be 16-byte aligned."""
+def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None):
+    """global[0:2] += (a, b): one fire-and-forget vector reduction (sm_90), performed in L2,
+    unordered between threads and CTAs. ptr must be 8-byte aligned."""
     llvm.inline_asm(
         None,
-        [ptr.llvm_ptr] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f",
+        [ptr.llvm_ptr, Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -65,8 +60,7 @@ def red_add_f32x4(ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Floa
 @cute.jit
 def add_from_registers(acc: cute.Tensor, chunk: cute.Tensor, tidx, num_threads: cutlass.Constexpr[int]):
     """chunk += this thread's dQ accumulator fragment, in the chunk's register order
-    (`offset`): each group of VECTOR registers is one 16-byte vector atomic, and a warp's
-    groups cover 512 contiguous bytes, so the reductions coalesce like the sdQ stores they
-    replace."""
-    for i in cutlass.range_constexpr(0, cute.size(acc), VECTOR):
-        red_add_f32x4(chunk.iterator + offset(i, tidx, num_threads), acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+    (`offset`): each register pair is one 8-byte vector atomic, and a warp's pairs cover
+    256 contiguous bytes, so the reductions coalesce like the sdQ stores they replace."""
+    for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+        red_add_f32x2(chunk.iterator + offset(i, tidx, num_threads), acc[i], acc[i + 1])
