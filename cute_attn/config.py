@@ -322,6 +322,10 @@ def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1)
             cfg = FwdConfig(tile_m=192, tile_n=128 if features.causal_like else 160, num_stages=2)
     elif head_dim <= 128:
         cfg = FwdConfig(tile_m=128, tile_n=128 if features.causal_like else 224, num_stages=2)
+        if features.mask == "none" and not (features.softcap or features.varlen or features.kv_lengths):
+            # +4.4% and +4.8% in two H100 A/Bs at 16K (session 15); causal -4.4..-3.8%,
+            # head dims 64 and 256 within +-1.5%: there the bulk has too few block pairs
+            cfg = dataclasses.replace(cfg, p_double_buffer=True)
     else:
         # a window with a softcap spilled 252 bytes at 128 keys per block (ptxas)
         cfg = FwdConfig(tile_m=128, tile_n=64 if features.local else 128, num_stages=2)
@@ -454,15 +458,12 @@ class BwdConfig(_WarpSpecialized):
                              f"tile_n {self.tile_n}, d_slice {self.d_slice}, dq_warpgroups {self.dq_warpgroups}")
 
 
-def split_d_bwd_config(head_dim: int, deterministic: bool = False) -> BwdConfig:
-    """BwdConfig.split_d's tiles for head dims 192 and 256: 64 x 64. With dQ by atomics
-    (the default) two stages at both (256: ~210 KB of shared memory). The deterministic
-    backward keeps the sdQ tile (64 KB at 256) for its ordered reduce-adds, and so one
-    stage at 256 (two would need ~273 KB), two at 192."""
-    if deterministic:
-        stages = 2 if head_dim <= 192 else 1
-        return BwdConfig(tile_m=64, tile_n=64, num_stages=stages, dq_warpgroups=2, split_d=True)
-    return BwdConfig(tile_m=64, tile_n=64, num_stages=2, dq_warpgroups=2, split_d=True, dq_atomic=True)
+def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:
+    """BwdConfig.split_d's tiles for head dims 192 and 256: 64 x 64, two stages where the
+    shared memory holds them: always with dQ by atomics (256: ~210 KB), at 192 with the
+    sdQ tile too; at 256 the sdQ tile (64 KB) leaves room for one (two would need ~273 KB)."""
+    stages = 2 if dq_atomic or head_dim <= 192 else 1
+    return BwdConfig(tile_m=64, tile_n=64, num_stages=stages, dq_warpgroups=2, split_d=True, dq_atomic=dq_atomic)
 
 
 def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = False) -> BwdConfig:
@@ -478,7 +479,9 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     if head_dim <= 64 and not (features.local or features.softcap or features.has_mods or features.dropout):
         return BwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim > 128:
-        # split_d measured 1.26-1.58x d_slice's recompute at 256 and 1.48-1.73x at 192
-        # (H100, 4K and 16K, causal or not; perf/NOTES.md, session 15)
-        return split_d_bwd_config(head_dim, deterministic)
+        # split_d measured 1.26-1.58x d_slice's recompute at 256 and 1.48-1.73x at 192;
+        # dQ by atomics (its second stage) 1.29-1.37x the sdQ tile at 256, 0.93-0.99x at
+        # 192, where sdQ leaves room for two stages anyway (H100, 4K and 16K, causal or
+        # not; perf/NOTES.md, session 15). Atomics have no order: never deterministic.
+        return split_d_bwd_config(head_dim, dq_atomic=head_dim > 192 and not deterministic)
     return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2)

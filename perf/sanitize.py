@@ -124,8 +124,9 @@ CASES = (
          extra={"sink": True, "dropout": 0.2}),
     Case("mods-bd3lm-deterministic-gqa", seqlen_q=302, seqlen_k=302, nheads=4, nheads_kv=2, deterministic=True,
          extra={"mods": "bd3lm"}),
-    # the head-dim-split backward of 192/256 (P^T / dS^T through shared memory): dQ by
-    # atomics, and the deterministic one's sdQ tile with its ordered reduce-adds
+    # the head-dim-split backward of 192/256 (P^T / dS^T through shared memory): the sdQ
+    # tile at 192, dQ by atomics at 256 (hd256-causal above), and the deterministic one's
+    # sdQ tile with its ordered reduce-adds at 256
     Case("split-d-hd192-varlen", head_dim=192, nheads=4, nheads_kv=1, causal=True,
          lengths=((0, 40), (150, 200), (277, 129))),
     Case("split-d-hd256-deterministic-gqa", head_dim=256, nheads=4, nheads_kv=2, causal=True, deterministic=True),

@@ -124,9 +124,9 @@ def test_backward_compiles_with_hopper_instructions(compiled_bwd, dtype, head_di
     assert "cp.async.bulk.shared::cluster.global" not in text
     # every consumer warp syncs before its lane 0 releases a stage it read with loads
     assert "bar.warp.sync" in text
-    if head_dim <= 128:
+    if head_dim <= 192:
         assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in text  # dQ by the writer warp
-    else:
+    elif head_dim == 256:
         assert "red.global.add.v2.f32" in text  # dQ by atomics from registers (BwdConfig.dq_atomic)
     assert "setmaxnreg.dec" in text and "setmaxnreg.inc" in text
     assert "mbarrier.try_wait" in text
@@ -474,7 +474,7 @@ def test_fp8_double_buffered_p_converts_beside_the_pv_wgmma(head_dim, mask):
     from cute_attn.config import fp8_fwd_config_for
 
     features = AttnFeatures(mask=mask)
-    base = fp8_fwd_config_for(head_dim, features)
+    base = dataclasses.replace(fp8_fwd_config_for(head_dim, features), p_double_buffer=False)
     default = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, base)
     double = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, dataclasses.replace(base, p_double_buffer=True))
     assert not _converts_before_waiting_for_pv(default.ptx)
@@ -491,18 +491,20 @@ def test_fp8_double_buffered_p_converts_beside_the_pv_wgmma(head_dim, mask):
 def test_split_d_backward_compiles_without_spills(head_dim, features):
     """BwdConfig.split_d (head dims 192/256 without the d_slice recompute, bwd_config_for's
     choice): both warpgroups' S^T / dP^T as one N-split WGMMA, dV and dK from shared memory
-    (P^T in its own buffer), a single CTA per KV block, dQ by vector atomics from registers
-    (no bulk reduce-add); no spill and no WGMMA serialisation in the main kernel."""
+    (P^T in its own buffer), a single CTA per KV block, two stages; dQ by vector atomics
+    from registers at 256 (no bulk reduce-add), by the sdQ tile and the writer's bulk
+    reduce-add at 192; no spill and no WGMMA serialisation in the main kernel."""
     from cute_attn.config import bwd_config_for
 
     config = bwd_config_for(head_dim, features)
-    assert config.split_d and config.dq_atomic and config.num_stages == 2
+    assert config.split_d and config.dq_atomic == (head_dim == 256) and config.num_stages == 2
     arts = ptx_tool.compile_bwd_artifacts("bf16", head_dim, features, config)
     main = arts["main"]
     assert config.num_d_slices(head_dim) == 1
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16", main.ptx)  # S^T, dP^T halves
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim // 2}k16\.f32\.bf16\.bf16", main.ptx)  # dK, dV
-    assert "red.global.add.v2.f32" in main.ptx and "cp.reduce.async.bulk" not in main.ptx
+    atomics, bulk = "red.global.add.v2.f32" in main.ptx, "cp.reduce.async.bulk" in main.ptx
+    assert (atomics, bulk) == ((True, False) if config.dq_atomic else (False, True))
     if main.cubin is not None:
         assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
         assert "serialized" not in main.ptxas_report, main.ptxas_report
@@ -527,11 +529,12 @@ def test_split_d_config_is_validated():
     from cute_attn.kernels.bwd_sm90 import FlashBwdSm90
     from cute_attn.config import DTYPES
 
-    assert split_d_bwd_config(256).num_mma_warpgroups == 2 and split_d_bwd_config(256).num_stages == 2
-    assert split_d_bwd_config(256, deterministic=True).num_stages == 1
-    assert split_d_bwd_config(192).num_stages == split_d_bwd_config(192, deterministic=True).num_stages == 2
+    assert split_d_bwd_config(256, dq_atomic=True).num_mma_warpgroups == 2
+    assert split_d_bwd_config(256, dq_atomic=True).num_stages == 2
+    assert split_d_bwd_config(256, dq_atomic=False).num_stages == 1
+    assert split_d_bwd_config(192, dq_atomic=False).num_stages == 2
     with pytest.raises(ValueError, match="deterministic"):
-        FlashBwdSm90(DTYPES["bf16"], 256, AttnFeatures(), split_d_bwd_config(256), deterministic=True)
+        FlashBwdSm90(DTYPES["bf16"], 256, AttnFeatures(), split_d_bwd_config(256, dq_atomic=True), deterministic=True)
     for bad in (dict(tile_n=128), dict(d_slice=64), dict(dq_warpgroups=1)):
         with pytest.raises(ValueError, match="split_d"):
             BwdConfig(**{**dict(tile_m=64, tile_n=64, dq_warpgroups=2, split_d=True), **bad})

@@ -232,16 +232,18 @@ SPLIT_D_CASES = [
 @pytest.mark.parametrize("dq_path", ["atomic", "sdq"])
 @pytest.mark.parametrize("case", SPLIT_D_CASES, ids=str)
 def test_split_d_backward(case, dq_path, monkeypatch):
-    """The head-dim-split backward for 192/256 (config.split_d_bwd_config): bwd_config_for's
-    dQ by atomics, and the sdQ tile with the dQ writer (the deterministic backward's path,
-    forced here without determinism): the accuracy rule of every backward test, and
-    bit-identical deterministic gradients on the GQA and varlen cases."""
+    """The head-dim-split backward for 192/256 (config.split_d_bwd_config) with either dQ
+    path forced: atomics from registers (bwd_config_for's at 256) and the sdQ tile with
+    the dQ writer (its choice at 192, and the deterministic backward's): the accuracy rule
+    of every backward test, and bit-identical deterministic gradients on the GQA cases."""
     from cute_attn import config, launcher
 
-    assert config.bwd_config_for(case.d, config.AttnFeatures()).dq_atomic
-    if dq_path == "sdq":
-        monkeypatch.setattr(launcher, "bwd_config_for",
-                            lambda head_dim, features, deterministic=False: config.split_d_bwd_config(head_dim, True))
+    forced = config.split_d_bwd_config(case.d, dq_atomic=dq_path == "atomic")
+    default = config.bwd_config_for(case.d, config.AttnFeatures())
+    assert default.split_d and default.dq_atomic == (case.d == 256)
+    monkeypatch.setattr(launcher, "bwd_config_for",
+                        lambda head_dim, features, deterministic=False: config.bwd_config_for(head_dim, features, True)
+                        if deterministic else forced)
     q, k, v, dout, cu = make_inputs(case, seed=3)
     if case.softcap:
         assert_cap_bites(case, q, k)
