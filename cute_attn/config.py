@@ -437,13 +437,6 @@ class BwdConfig(_WarpSpecialized):
     # 256: room for a second Q/dO stage) and the DQ_FULL / DQ_EMPTY hand-off. Atomics land
     # in no fixed order, so the deterministic backward never takes it (bwd_config_for).
     dq_atomic: bool = False
-    # CTAs per cluster along the KV blocks: 2 pairs adjacent KV blocks of one head, which
-    # then walk the same query blocks and share each Q / dO tile by TMA multicast (each
-    # CTA loads half of it for both), halving the loads' L2 traffic: the hd-256 backward
-    # was L2-bound (ncu, perf/NOTES.md session 15). The pair walks the union of its query
-    # ranges (the upper block's extra causal block fully masked), so only masks whose
-    # range is a monotone prefix qualify (none, causal), dense batches, no mods.
-    cluster_n: int = 1
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -460,8 +453,6 @@ class BwdConfig(_WarpSpecialized):
             raise ValueError(f"tile_m must be a multiple of 16 in [16, 128], got {self.tile_m}")
         if self.dq_warpgroups not in (1, self.num_mma_warpgroups):
             raise ValueError(f"dq_warpgroups must be 1 or {self.num_mma_warpgroups}, got {self.dq_warpgroups}")
-        if self.cluster_n not in (1, 2) or (self.cluster_n == 2 and not self.dq_atomic):
-            raise ValueError(f"cluster_n must be 1, or 2 with dq_atomic, got {self.cluster_n}")
         if self.split_d and (self.tile_n != 64 or self.d_slice or self.dq_warpgroups != 2):
             raise ValueError("split_d takes tile_n 64, no d_slice and both warpgroups on dQ, got "
                              f"tile_n {self.tile_n}, d_slice {self.d_slice}, dq_warpgroups {self.dq_warpgroups}")
@@ -473,13 +464,6 @@ def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:
     sdQ tile too; at 256 the sdQ tile (64 KB) leaves room for one (two would need ~273 KB)."""
     stages = 2 if dq_atomic or head_dim <= 192 else 1
     return BwdConfig(tile_m=64, tile_n=64, num_stages=stages, dq_warpgroups=2, split_d=True, dq_atomic=dq_atomic)
-
-
-def cluster_pairs_fit(features: AttnFeatures) -> bool:
-    """Whether two adjacent KV blocks can walk one query-block range (BwdConfig.cluster_n):
-    dense batches whose mask gives every KV block the same last query block and a first
-    one that does not decrease with the block (none, causal), without mods (block lists)."""
-    return features.mask in ("none", "causal") and not (features.varlen or features.has_mods)
 
 
 def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = False) -> BwdConfig:
@@ -499,8 +483,5 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
         # dQ by atomics (its second stage) 1.29-1.37x the sdQ tile at 256, 0.93-0.99x at
         # 192, where sdQ leaves room for two stages anyway (H100, 4K and 16K, causal or
         # not; perf/NOTES.md, session 15). Atomics have no order: never deterministic.
-        config = split_d_bwd_config(head_dim, dq_atomic=head_dim > 192 and not deterministic)
-        if config.dq_atomic and cluster_pairs_fit(features):
-            config = dataclasses.replace(config, cluster_n=2)
-        return config
+        return split_d_bwd_config(head_dim, dq_atomic=head_dim > 192 and not deterministic)
     return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2)

@@ -130,9 +130,6 @@ CASES = (
     Case("split-d-hd192-varlen", head_dim=192, nheads=4, nheads_kv=1, causal=True,
          lengths=((0, 40), (150, 200), (277, 129))),
     Case("split-d-hd256-deterministic-gqa", head_dim=256, nheads=4, nheads_kv=2, causal=True, deterministic=True),
-    # cluster pairs (multicast Q / dO) over an odd count of KV blocks: a CTA with no keys
-    Case("split-d-hd256-cluster-odd-gqa", head_dim=256, seqlen_q=500, seqlen_k=700, nheads=4, nheads_kv=2,
-         causal=True),
     # a config not yet the default, forced (extra "config"): the FP8 forward's double-buffered P
     Case("fp8-p-double-hd128", dtype="fp8", seqlen_q=700, seqlen_k=900, backward=False,
          extra={"config": "p_double_buffer"}),

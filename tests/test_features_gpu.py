@@ -226,35 +226,29 @@ SPLIT_D_CASES = [
     Case(d=192, h=4, h_kv=1, causal=True, sq=1000, sk=129),  # rows with no key
     Case(d=256, h=4, h_kv=2, softcap=20.0, window=(64, 64), sq=333, sk=333),
     Case(d=192, h=4, h_kv=2, causal=True, lens_q=(300, 0, 1000, 17), lens_k=(129, 5, 1000, 17)),
-    # an odd number of KV blocks (11): the last cluster pair's upper CTA has no keys
-    Case(d=256, h=4, h_kv=2, causal=True, sq=500, sk=700),
-    Case(d=256, h=4, h_kv=4, sq=77, sk=900),
 ]
 
 
-@pytest.mark.parametrize("dq_path", ["default", "atomic", "sdq"])
+@pytest.mark.parametrize("dq_path", ["atomic", "sdq"])
 @pytest.mark.parametrize("case", SPLIT_D_CASES, ids=str)
 def test_split_d_backward(case, dq_path, monkeypatch):
-    """The head-dim-split backward for 192/256 (config.split_d_bwd_config): bwd_config_for's
-    own choice (at 256 for dense none/causal: dQ atomics in cluster pairs sharing Q / dO by
-    multicast), and each dQ path forced without clusters: atomics from registers, and the
-    sdQ tile with the dQ writer (the choice at 192 and the deterministic backward's). The
-    accuracy rule of every backward test, and bit-identical deterministic gradients on the
-    GQA cases."""
+    """The head-dim-split backward for 192/256 (config.split_d_bwd_config) with either dQ
+    path forced: atomics from registers (bwd_config_for's at 256) and the sdQ tile with
+    the dQ writer (its choice at 192, and the deterministic backward's): the accuracy rule
+    of every backward test, and bit-identical deterministic gradients on the GQA cases."""
     from cute_attn import config, launcher
 
+    forced = config.split_d_bwd_config(case.d, dq_atomic=dq_path == "atomic")
     default = config.bwd_config_for(case.d, config.AttnFeatures())
-    assert default.split_d and default.dq_atomic == (case.d == 256) and default.cluster_n == (2 if case.d == 256 else 1)
-    if dq_path != "default":
-        forced = config.split_d_bwd_config(case.d, dq_atomic=dq_path == "atomic")
-        monkeypatch.setattr(launcher, "bwd_config_for",
-                            lambda head_dim, features, deterministic=False:
-                            config.bwd_config_for(head_dim, features, True) if deterministic else forced)
+    assert default.split_d and default.dq_atomic == (case.d == 256)
+    monkeypatch.setattr(launcher, "bwd_config_for",
+                        lambda head_dim, features, deterministic=False: config.bwd_config_for(head_dim, features, True)
+                        if deterministic else forced)
     q, k, v, dout, cu = make_inputs(case, seed=3)
     if case.softcap:
         assert_cap_bites(case, q, k)
     check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
-    if case.h != case.h_kv and dq_path == "default":
+    if case.h != case.h_kv and dq_path == "atomic":
         g1 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
         g2 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(g1, g2)), "deterministic split_d gradients differ"

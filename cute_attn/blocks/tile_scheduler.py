@@ -39,13 +39,9 @@ class TileScheduler:
     forward's split-KV, whose count the launcher picks per call without recompiling)."""
 
     def __init__(self, tile_size: int, varlen: bool, num_splits: int = 1, longest_first: bool = False,
-                 runtime_splits: bool = False, cluster_blocks: int = 1):
+                 runtime_splits: bool = False):
         self.tile_size = tile_size  # rows (or keys) per block
         self.varlen = varlen
-        # blocks per cluster (the backward's pairs of KV blocks, BwdConfig.cluster_n): the
-        # block count is rounded up to whole clusters; a block past the end still runs
-        # (its rows masked) because its partner needs it for the shared loads
-        self.cluster_blocks = cluster_blocks
         self.num_splits = num_splits
         self.longest_first = longest_first
         self.runtime_splits = runtime_splits
@@ -62,8 +58,6 @@ class TileScheduler:
             num_blocks = cute.ceil_div(cute.size(mX.shape[0]), self.tile_size)
             batch = cute.size(mX.shape[3])
         splits = num_splits if cutlass.const_expr(self.runtime_splits) else self.num_splits
-        if cutlass.const_expr(self.cluster_blocks > 1):
-            num_blocks = cute.ceil_div(num_blocks, self.cluster_blocks) * self.cluster_blocks
         return (num_blocks * splits, cute.size(mX.shape[2]), batch)
 
     @cute.jit

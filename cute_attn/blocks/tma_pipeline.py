@@ -11,32 +11,16 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
 
-def make_tma_pipeline(barrier_storage, num_stages: int, tx_bytes: int, num_consumer_threads: int,
-                      multicast: int = 1):
-    """A num_stages-deep ring whose stages complete when tx_bytes have landed in this CTA.
-    Created with defer_sync: the kernel calls pipeline_init_arrive / pipeline_init_wait
-    once for all its rings. multicast: the CTAs of a cluster (along its N mode) that share
-    each stage's tiles by TMA multicast; a stage is then free only once every one of them
-    has released it (each consumer warp arrives on every partner's empty barrier, lanes
-    0 .. multicast - 1 one each), since any of their producers may write into all of them."""
-    if multicast == 1:
-        return pipeline.PipelineTmaAsync.create(
-            barrier_storage=barrier_storage,
-            num_stages=num_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads // 32),
-            tx_count=tx_bytes,
-            defer_sync=True,
-        )
+def make_tma_pipeline(barrier_storage, num_stages: int, tx_bytes: int, num_consumer_threads: int):
+    """A num_stages-deep ring whose stages complete when tx_bytes have landed. Created
+    with defer_sync: the kernel calls pipeline_init_arrive / pipeline_init_wait once for
+    all its rings."""
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barrier_storage,
         num_stages=num_stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads // 32),
         tx_count=tx_bytes,
-        cta_layout_vmnk=cute.make_layout((1, 1, multicast, 1)),
-        mcast_mode_mn=(1, 0),
-        enable_multicast_signaling=True,
         defer_sync=True,
     )
 
@@ -49,24 +33,18 @@ class TmaTensor(NamedTuple):
     tensor: cute.Tensor
 
 
-def make_tma_tensor(op, tensor: cute.Tensor, smem_layout, tile: tuple, multicast: int = 1) -> TmaTensor:
+def make_tma_tensor(op, tensor: cute.Tensor, smem_layout, tile: tuple) -> TmaTensor:
     """One CTA's TMA for (tile)-shaped boxes of `tensor` landing in `smem_layout` (a
-    single stage: select the stage mode away first). multicast > 1: the op is
-    CopyBulkTensorTileG2SMulticastOp and each of that many CTAs loads a slice of the tile
-    for all of them (tma_partition's cta_rank)."""
-    atom, coords = cpasync.make_tiled_tma_atom(op, tensor, smem_layout, tile, multicast)
+    single stage: select the stage mode away first)."""
+    atom, coords = cpasync.make_tiled_tma_atom(op, tensor, smem_layout, tile, 1)
     return TmaTensor(atom, coords)
 
 
-def tma_partition(tma: TmaTensor, s: cute.Tensor, g: cute.Tensor, tile_rank: int = 2,
-                  multicast: int = 1, cta_rank=0):
+def tma_partition(tma: TmaTensor, s: cute.Tensor, g: cute.Tensor, tile_rank: int = 2):
     """(shared, global) views of a tile of tile_rank modes (a 2-D tile, or 1-D for per-row
-    statistics), plus any trailing stage / block modes, for tma.atom; with multicast > 1
-    the slice of the tile that CTA cta_rank of the multicast group loads (copy it with
-    mcast_mask = all of the group)."""
+    statistics), plus any trailing stage / block modes, for tma.atom, without multicast."""
     return cpasync.tma_partition(
-        tma.atom, cta_rank, cute.make_layout(multicast), cute.group_modes(s, 0, tile_rank),
-        cute.group_modes(g, 0, tile_rank)
+        tma.atom, 0, cute.make_layout(1), cute.group_modes(s, 0, tile_rank), cute.group_modes(g, 0, tile_rank)
     )
 
 

@@ -212,7 +212,6 @@ class FlashBwdSm90:
         self.dq_wgs = config.dq_warpgroups
         self.num_dq_threads = 128 * self.dq_wgs
         self.dq_atomic = config.dq_atomic  # see BwdConfig.dq_atomic
-        self.cluster_n = config.cluster_n  # see BwdConfig.cluster_n
         if self.dq_atomic and deterministic:
             raise ValueError("the deterministic backward orders its dQ reduce-adds: dq_atomic cannot serve it")
         # the head_dim columns of dK, dV and dQ one CTA produces (see BwdConfig.d_slice)
@@ -221,8 +220,7 @@ class FlashBwdSm90:
         self.d_slice = head_dim // self.num_d_slices
         # one CTA per (KV block, head_dim slice, KV head, batch). n_block 0 sees the most
         # query blocks under a causal mask, and grid order already launches it first.
-        self.scheduler = TileScheduler(self.tile_n, features.varlen, num_splits=self.num_d_slices,
-                                       cluster_blocks=self.cluster_n)
+        self.scheduler = TileScheduler(self.tile_n, features.varlen, num_splits=self.num_d_slices)
 
     @cute.jit
     def __call__(
@@ -294,16 +292,14 @@ class FlashBwdSm90:
             mma_dq=dq_accum.make_dq_mma(self.p_dtype, self.d_slice, self.dq_wgs),
         )
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        # cluster pairs share each Q / dO tile: each CTA loads a slice of it for both
-        q_load_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else load_op
         q_tile = cute.select(layouts.sQ, mode=[0, 1])
         dkv_tile = (self.tile_n, self.d_slice)
         stats_tile = cute.make_layout(self.tile_m)
         g = BwdGlobals(
-            q=make_tma_tensor(q_load_op, mQ, q_tile, (self.tile_m, d), multicast=self.cluster_n),
+            q=make_tma_tensor(load_op, mQ, q_tile, (self.tile_m, d)),
             k=make_tma_tensor(load_op, mK, layouts.sK, (self.tile_n, d)),
             v=make_tma_tensor(load_op, mV, layouts.sK, (self.tile_n, d)),
-            do=make_tma_tensor(q_load_op, mdO, q_tile, (self.tile_m, d), multicast=self.cluster_n),
+            do=make_tma_tensor(load_op, mdO, q_tile, (self.tile_m, d)),
             dk=make_tma_tensor(store_op, mdK, layouts.sdKV, dkv_tile),
             dv=make_tma_tensor(store_op, mdV, layouts.sdKV, dkv_tile),
             # per-query statistics: tile_m floats per query block, by descriptor-based TMA
@@ -340,9 +336,8 @@ class FlashBwdSm90:
         score = fold_score_scale(softmax_scale, softcap, self.features.softcap, self.features.score_mod is not None)
         # one CTA per KV block: the grid tiles K's rows
         grid = self.scheduler.grid(mK, mCuSeqlensQ, max_seqlen_k)
-        cluster = {"cluster": [self.cluster_n, 1, 1]} if self.cluster_n > 1 else {}
         self.kernel(g, layouts, score, window_left, window_right).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1, **cluster
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1
         )
 
     @cute.kernel
@@ -357,13 +352,10 @@ class FlashBwdSm90:
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipes = BwdPipelines(
             kv=make_tma_pipeline(storage.mbar_kv.data_ptr(), 1, self.tma_bytes_kv, self.num_mma_threads),
-            q=make_tma_pipeline(storage.mbar_q.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads,
-                                multicast=self.cluster_n),
-            do=make_tma_pipeline(storage.mbar_do.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads,
-                                 multicast=self.cluster_n),
+            q=make_tma_pipeline(storage.mbar_q.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads),
+            do=make_tma_pipeline(storage.mbar_do.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads),
         )
-        cluster_shape = cute.make_layout((self.cluster_n, 1))
-        pipeline_init_arrive(cluster_shape_mn=cluster_shape, is_relaxed=True)
+        pipeline_init_arrive(is_relaxed=True)
 
         stats_layout = cute.make_layout((self.tile_m, self.num_stages))
         sQ_l, sK_l, sdS_l, sdKV_l = layouts.sQ, layouts.sK, layouts.sdS, layouts.sdKV
@@ -392,7 +384,7 @@ class FlashBwdSm90:
         block_range = BlockRange(self.tile_m, self.tile_n, window)
         # GQA: the query heads head_kv * group + [0, group) share this KV head
         group = mQ.shape[2] // mK.shape[2]
-        pipeline_init_wait(cluster_shape_mn=cluster_shape)
+        pipeline_init_wait()
 
         # varlen: the grid covers the longest key sequence; a tile past this one's end
         # has no keys (uniform across the CTA)
@@ -407,11 +399,6 @@ class FlashBwdSm90:
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 self.consume(g, layouts, smem, pipes, tile, group, block_range, seqlen, window, score, tidx - 128)
-        if cutlass.const_expr(self.cluster_n > 1):
-            # the partner may still multicast into this CTA's stages or arrive on its
-            # empty barriers until it is done: neither CTA exits before both are
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
 
     # ------------------------------------------------------------------------------------
     # Producer warp: TMA loads
@@ -437,16 +424,13 @@ class FlashBwdSm90:
         cute.copy(g.v.atom, tVgV, tVsV, tma_bar_ptr=kv_bar)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)} if self.cluster_n > 1 else {}
         for i in cutlass.range(group, unroll=1):
             head = head_kv * group + i
             blocks, m_first, count = self.q_blocks(g, tile, head, block_range, seqlen)
             gQ = cute.local_tile(seqlen.rows_q(g.q.tensor, head), (self.tile_m, d), (None, 0))
             gdO = cute.local_tile(seqlen.rows_q(g.do.tensor, head), (self.tile_m, d), (None, 0))
-            # with cluster pairs, this CTA's slice of each tile, multicast to both
-            cta_rank = cute.arch.block_idx_in_cluster() if self.cluster_n > 1 else 0
-            tQsQ, tQgQ = tma_partition(g.q, smem.q, gQ, multicast=self.cluster_n, cta_rank=cta_rank)
-            tdOsdO, tdOgdO = tma_partition(g.do, smem.do, gdO, multicast=self.cluster_n, cta_rank=cta_rank)
+            tQsQ, tQgQ = tma_partition(g.q, smem.q, gQ)
+            tdOsdO, tdOgdO = tma_partition(g.do, smem.do, gdO)
             gLSE2 = cute.local_tile(g.lse2.tensor[None, head, seqlen.batch], (self.tile_m,), (None,))
             gD = cute.local_tile(g.dsum.tensor[None, head, seqlen.batch], (self.tile_m,), (None,))
             tLsL, tLgL = tma_partition(g.lse2, smem.lse2, gLSE2, tile_rank=1)
@@ -455,11 +439,11 @@ class FlashBwdSm90:
                 m_block = self.q_block(blocks, m_first, j)
                 pipes.q.producer_acquire(state)
                 bar = pipes.q.producer_get_barrier(state)
-                cute.copy(g.q.atom, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar, **mcast)
+                cute.copy(g.q.atom, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
                 cute.copy(g.lse2.atom, tLgL[None, stats_block0 + m_block], tLsL[None, state.index], tma_bar_ptr=bar)
                 pipes.do.producer_acquire(state)
                 bar = pipes.do.producer_get_barrier(state)
-                cute.copy(g.do.atom, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar, **mcast)
+                cute.copy(g.do.atom, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
                 cute.copy(g.dsum.atom, tDgD[None, stats_block0 + m_block], tDsD[None, state.index], tma_bar_ptr=bar)
                 state.advance()
 
@@ -474,19 +458,9 @@ class FlashBwdSm90:
             blocks = BlockList(g.sparse, seqlen.batch, head, tile.block)
             m_first, count = Int32(0), blocks.count
         else:
-            m_first, m_block_max = self.m_block_range(block_range, seqlen, tile.block)
+            m_first, m_block_max = block_range.m_block_min_max(seqlen, tile.block)
             count = m_block_max - m_first
         return blocks, m_first, count
-
-    @cute.jit
-    def m_block_range(self, block_range: BlockRange, seqlen: SeqlenInfo, n_block):
-        """[m_min, m_max): the query blocks KV block n_block walks. With cluster pairs,
-        those of the pair's first block: both CTAs must walk the same blocks (they share
-        the stages), and for the masks cluster_pairs_fit allows the first block's range
-        is the pair's union (the upper block's extra blocks are fully masked for it)."""
-        if cutlass.const_expr(self.cluster_n > 1):
-            n_block = n_block - n_block % self.cluster_n
-        return block_range.m_block_min_max(seqlen, n_block)
 
     @cute.jit
     def q_block(self, blocks, m_first: Int32, j: Int32) -> Int32:
@@ -587,7 +561,7 @@ class FlashBwdSm90:
         acc_dK.fill(0.0)
 
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window)
-        m_block_min, m_block_max = self.m_block_range(block_range, seqlen, n_block)
+        m_block_min, m_block_max = block_range.m_block_min_max(seqlen, n_block)
         # masked steps: the query blocks cutting the window's right edge (the diagonal),
         # then unmasked ones, then those cutting its left edge; all of them in the KV tile
         # that runs past seqlen_k
