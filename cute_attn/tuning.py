@@ -10,8 +10,12 @@ tree row sums), keeps a change only if it is faster, and moves on to the next fi
 Candidates are timed in interleaved rounds (CUDA events around a loop of calls, the
 median round), at batch x seqlen = 16K tokens and 2048 hidden (the FA3-paper shape).
 
-A winner is written only if it beats the default by MIN_GAIN; either way the table
-records every candidate's time, so a later reader sees why an entry says what it says.
+A winner is then confirmed: timed against the default again, in the same process, at each
+of CONFIRM_SEQLENS (the benchmark sweep's 1K, 4K and 16K), and adopted only if it beats
+the default by MIN_GAIN on their geometric mean and loses at none of them. (The first
+tables, adopted on the search shape alone, measured 0.4-3.3% slower than the defaults in
+the sweep: perf/NOTES.md, session 15.) Either way the table records every candidate's time
+and the confirmation, so a later reader sees why an entry says what it says.
 Tables live in cute_attn/tuned/<device>-fwd.json, one per GPU model (an H200 may pick
 differently from an H100), or in $CUTE_ATTN_TUNED_DIR when that is set (read first, and
 where `tune` writes: an installed package's directory may not be writable, and a run on
@@ -35,6 +39,7 @@ from cute_attn.config import AttnFeatures, FwdConfig, fwd_config_for
 TABLE_DIR = Path(__file__).resolve().parent / "tuned"  # the tables committed with the package
 ENV_DIR = "CUTE_ATTN_TUNED_DIR"
 MIN_GAIN = 0.02  # a tuned config replaces the default only when >= 2% faster
+CONFIRM_SEQLENS = (1024, 4096, 16384)  # where a winner must hold (batch x seqlen = 16K)
 TUNED_MASKS = ("none", "causal")
 # KV block lengths tried per head dim (multiples of 16; the register budget bounds them),
 # and query tile rows (64 per consumer warpgroup: three of them get 160 registers, which
@@ -45,7 +50,8 @@ TILE_M_CHOICES = {64: (128, 192)}
 
 METHOD = ("coordinate descent over FwdConfig fields from config.fwd_config_for; each candidate timed by CUDA "
           "events around 20 calls, interleaved rounds, median; batch x seqlen = 16384, nheads x head_dim = 2048; "
-          f"adopted when >= {MIN_GAIN:.0%} faster than the default")
+          f"the winner re-timed against the default at seqlens {CONFIRM_SEQLENS} and adopted when >= "
+          f"{MIN_GAIN:.0%} faster on their geometric mean and slower at none")
 _log = logging.getLogger("cute_attn")
 
 
@@ -165,9 +171,25 @@ def coordinate_descent(base: FwdConfig, head_dim: int, features: AttnFeatures,
     return best, times
 
 
-def make_entry(base: FwdConfig, best: FwdConfig, times: dict, shape: dict, device_name: str) -> dict:
+def confirmed(confirmation: Optional[dict]) -> bool:
+    """Whether a winner's re-timing {seqlen: gain over the default} holds: >= MIN_GAIN on
+    the geometric mean, and no seqlen slower. None (not re-timed): it does not."""
+    if not confirmation:
+        return False
+    gains = list(confirmation.values())
+    mean = 1.0
+    for g in gains:
+        mean *= max(1.0 + g, 1e-9)
+    mean = mean ** (1.0 / len(gains)) - 1.0
+    return mean >= MIN_GAIN and min(gains) >= 0.0
+
+
+def make_entry(base: FwdConfig, best: FwdConfig, times: dict, shape: dict, device_name: str,
+               confirmation: Optional[dict] = None) -> dict:
+    """The table entry of one (dtype, head dim, mask): best is adopted only if it beat the
+    default in the search by MIN_GAIN and its confirmation holds (`confirmed`)."""
     gain = times[base] / times[best] - 1.0 if times[best] > 0 else 0.0
-    adopted = best != base and gain >= MIN_GAIN
+    adopted = best != base and gain >= MIN_GAIN and confirmed(confirmation)
     chosen = best if adopted else base
     return {
         "config": dataclasses.asdict(chosen),
@@ -179,6 +201,7 @@ def make_entry(base: FwdConfig, best: FwdConfig, times: dict, shape: dict, devic
         "device": device_name,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "measured": [{"config": dataclasses.asdict(c), "ms": ms} for c, ms in times.items()],
+        "confirmation": {str(s): round(g, 4) for s, g in (confirmation or {}).items()},
     }
 
 
@@ -255,11 +278,18 @@ def tune(head_dims, masks=TUNED_MASKS, dtype: str = "bf16", seqlen: int = 8192, 
             measure = cuda_measure(dtype, head_dim, features, seqlen, rounds)
             best, times = coordinate_descent(base, head_dim, features, measure)
             shape = {"seqlen": seqlen, "batch": max(1, 16384 // seqlen), "heads": max(1, 2048 // head_dim)}
-            entry = make_entry(base, best, times, shape, device_name)
+            confirmation = None
+            if best != base and times[base] / times[best] - 1.0 >= MIN_GAIN:
+                confirmation = {}
+                for s in CONFIRM_SEQLENS:
+                    t = cuda_measure(dtype, head_dim, features, s, rounds)([base, best])
+                    confirmation[s] = t[base] / t[best] - 1.0 if t[best] > 0 else -1.0
+            entry = make_entry(base, best, times, shape, device_name, confirmation)
             key = entry_key(dtype, head_dim, mask)
             entries[key] = entry
-            log(f"{key}: default {times[base]:.3f} ms, best {times[best]:.3f} ms ({entry['gain_vs_default']:+.1%}), "
-                f"{'adopted' if entry['adopted'] else 'kept the default'}: {entry['config']}")
+            held = ", ".join(f"{s}: {g:+.1%}" for s, g in (confirmation or {}).items()) or "not re-timed"
+            log(f"{key}: default {times[base]:.3f} ms, best {times[best]:.3f} ms ({entry['gain_vs_default']:+.1%}; "
+                f"confirmation {held}), {'adopted' if entry['adopted'] else 'kept the default'}: {entry['config']}")
     if write and entries:
         log(f"wrote {write_table(device_name, entries)}")
     return entries

@@ -70,17 +70,27 @@ def test_failed_candidates_lose():
     assert best == base and times[dataclasses.replace(base, tile_n=160)] == float("inf")
 
 
-@pytest.mark.parametrize("gain, adopted", [(0.10, True), (0.01, False)])
-def test_table_round_trip_adopts_only_a_real_gain(table_dir, gain, adopted):
+HOLDS = {1024: 0.05, 4096: 0.04, 16384: 0.03}
+
+
+@pytest.mark.parametrize("gain, confirmation, adopted", [
+    (0.10, HOLDS, True),
+    (0.01, HOLDS, False),  # the search's own gain is below MIN_GAIN
+    (0.10, None, False),  # never re-timed
+    (0.10, {1024: 0.10, 4096: 0.05, 16384: -0.01}, False),  # slower at one seqlen
+    (0.10, {1024: 0.02, 4096: 0.01, 16384: 0.01}, False),  # geometric mean below MIN_GAIN
+])
+def test_table_round_trip_adopts_only_a_confirmed_gain(table_dir, gain, confirmation, adopted):
     features = AttnFeatures()
     base = fwd_config_for(128, features)
     better = dataclasses.replace(base, tile_n=96)
     times = {base: 1.0, better: 1.0 / (1.0 + gain)}
-    entry = tuning.make_entry(base, better, times, {"seqlen": 8192}, DEVICE)
+    entry = tuning.make_entry(base, better, times, {"seqlen": 8192}, DEVICE, confirmation)
     path = tuning.write_table(DEVICE, {tuning.entry_key("bf16", 128, "none"): entry})
     assert path.parent == table_dir and path.name == "nvidia-test-gpu-80gb-fwd.json"
     stored = json.loads(path.read_text())["entries"]["bf16/128/none"]
     assert stored["adopted"] is adopted and len(stored["measured"]) == 2 and stored["default_ms"] == 1.0
+    assert stored["confirmation"] == {str(k): v for k, v in (confirmation or {}).items()}
     got = tuning.tuned_fwd_config(DEVICE, "bf16", 128, features)
     assert got == (better if adopted else None)  # not adopted: the heuristic's default stands
     # only that entry: other dtypes, head dims, masks and the features tuning leaves alone
@@ -118,7 +128,7 @@ def test_launcher_and_warmup_take_the_tuned_config(table_dir, monkeypatch):
     features = AttnFeatures(mask="causal")
     tuned = dataclasses.replace(fwd_config_for(128, features), num_stages=3)
     entry = tuning.make_entry(fwd_config_for(128, features), tuned,
-                              {fwd_config_for(128, features): 1.0, tuned: 0.9}, {}, DEVICE)
+                              {fwd_config_for(128, features): 1.0, tuned: 0.9}, {}, DEVICE, HOLDS)
     tuning.write_table(DEVICE, {"bf16/128/causal": entry})
     monkeypatch.setattr(tuning, "gpu_name", lambda index=None: DEVICE)
     assert tuning.default_fwd_config("bf16", 128, features) == tuned
