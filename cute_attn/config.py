@@ -195,7 +195,7 @@ CAPABILITIES = {
     "fwd_fp8": Capability(head_dims=(64, 128, 256), dtypes=("e4m3", "e4m3_fp16")),
     # Each consumer warpgroup keeps a 64 x head_dim dK and dV accumulator in registers
     # (head_dim registers per thread for the two), which leaves room for the S, dP and dQ
-    # tiles only up to head dim 128; beyond, see BwdConfig.d_slice.
+    # tiles only up to head dim 128; beyond, see BwdConfig.split_d.
     "bwd": Capability(head_dims=(64, 96, 128, 192, 256), dtypes=("fp16", "bf16")),
 }
 
@@ -418,17 +418,14 @@ class BwdConfig(_WarpSpecialized):
     # consumer warpgroups that compute dQ = dS K: all of them, each owning a slice of
     # head_dim, or 1 when head_dim / 2 would not fall on the K tile's swizzle atoms
     dq_warpgroups: int = 2
-    # 0: a CTA produces all head_dim columns of dK, dV (and its dQ share). Otherwise it
-    # produces d_slice of them and head_dim / d_slice CTAs share one KV block, each
-    # recomputing S and dP in full: the dK/dV accumulators of head dims 192 and 256 do not
-    # fit in registers next to S and dP.
-    d_slice: int = 0
-    # Head dims 192 and 256 without d_slice's recompute (FA4's Hopper choice there, in this
+    # Head dims 192 and 256, whose dK/dV accumulators over the whole head dim do not fit a
+    # warpgroup's registers next to S^T and dP^T (FA4's Hopper choice there, in this
     # kernel's transposed orientation): tile_n = 64 keys, two consumer warpgroups that
     # split S^T and dP^T by queries (64 keys x tile_m / 2 each) and dK, dV and dQ by head
     # dim (d / 2 columns each), so P^T and dS^T pass through shared memory and dV, dK are
     # SS WGMMAs. Q, dO, K, V use swizzle atoms of d / 2 columns so each half is whole
-    # atoms. Measured 1.26-1.73x d_slice at 4K/16K (perf/NOTES.md, session 15).
+    # atoms. Measured 1.26-1.73x the split it replaced (head_dim / 64 CTAs per KV block,
+    # each recomputing S and dP) at 4K/16K (perf/NOTES.md, session 15).
     split_d: bool = False
     # dQ leaves each step as vector atomics (red.global.add.v2.f32) from the consumers'
     # accumulators into dQ_accum (blocks/dq_accum.add_from_registers) instead of through
@@ -442,10 +439,6 @@ class BwdConfig(_WarpSpecialized):
     def num_mma_warpgroups(self) -> int:
         return 2 if self.split_d else self.tile_n // 64
 
-    def num_d_slices(self, head_dim: int) -> int:
-        """CTAs that share one KV block, each producing d_slice columns (1: no split)."""
-        return head_dim // (self.d_slice or head_dim)
-
     def __post_init__(self):
         if self.tile_n % 64 or not 1 <= self.tile_n // 64 <= 2:
             raise ValueError(f"tile_n must be 64 or 128, got {self.tile_n}")
@@ -453,9 +446,9 @@ class BwdConfig(_WarpSpecialized):
             raise ValueError(f"tile_m must be a multiple of 16 in [16, 128], got {self.tile_m}")
         if self.dq_warpgroups not in (1, self.num_mma_warpgroups):
             raise ValueError(f"dq_warpgroups must be 1 or {self.num_mma_warpgroups}, got {self.dq_warpgroups}")
-        if self.split_d and (self.tile_n != 64 or self.d_slice or self.dq_warpgroups != 2):
-            raise ValueError("split_d takes tile_n 64, no d_slice and both warpgroups on dQ, got "
-                             f"tile_n {self.tile_n}, d_slice {self.d_slice}, dq_warpgroups {self.dq_warpgroups}")
+        if self.split_d and (self.tile_n != 64 or self.dq_warpgroups != 2):
+            raise ValueError("split_d takes tile_n 64 and both warpgroups on dQ, got "
+                             f"tile_n {self.tile_n}, dq_warpgroups {self.dq_warpgroups}")
 
 
 def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:
@@ -479,8 +472,8 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     if head_dim <= 64 and not (features.local or features.softcap or features.has_mods or features.dropout):
         return BwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim > 128:
-        # split_d measured 1.26-1.58x d_slice's recompute at 256 and 1.48-1.73x at 192;
-        # dQ by atomics (its second stage) 1.29-1.37x the sdQ tile at 256, 0.93-0.99x at
+        # split_d measured 1.26-1.58x the recomputing head-dim slices it replaced at 256
+        # and 1.48-1.73x at 192; dQ by atomics (its second stage) 1.29-1.37x the sdQ tile at 256, 0.93-0.99x at
         # 192, where sdQ leaves room for two stages anyway (H100, 4K and 16K, causal or
         # not; perf/NOTES.md, session 15). Atomics have no order: never deterministic.
         return split_d_bwd_config(head_dim, dq_atomic=head_dim > 192 and not deterministic)

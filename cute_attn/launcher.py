@@ -1119,9 +1119,8 @@ def run_bwd(
     # bulk reduce-adds accumulate into it, so it starts at zero
     dq_accum = torch.zeros((stats_batch, heads, rows * head_dim), **f32)
     if deterministic:
-        # one turn counter per (batch, head, query block, head_dim slice)
-        slices = config.num_d_slices(head_dim)
-        semaphore = torch.zeros((stats_batch, heads, rows // tile_m * slices), dtype=torch.int32, device=q.device)
+        # one turn counter per (batch, head, query block)
+        semaphore = torch.zeros((stats_batch, heads, rows // tile_m), dtype=torch.int32, device=q.device)
     else:
         semaphore = _unused_semaphore(q.device)
     pre(out, dout, lse, lse2, dsum, cu_q, args.max_seqlen_q)

@@ -9,8 +9,7 @@ A work tile is (block, head, batch, split):
     forward, the preprocess and the postprocess; a KV block (n_block) in the backward.
   * head, batch: as the kernel indexes its tensors (the backward: the KV head).
   * split: which of `num_splits` CTAs sharing one block this is. The forward splits the
-    block's KV range (split-KV, clipped by blocks/block_range.py); the backward splits
-    head_dim (config.BwdConfig.d_slice); 0 when unsplit.
+    block's KV range (split-KV, clipped by blocks/block_range.py); 0 when unsplit.
 
 One tile per CTA for now (grid = blocks * splits x heads x batch). Causal tiles differ in
 cost: the last query blocks see the most keys, so `longest_first` launches them first
@@ -34,7 +33,7 @@ class WorkTile(NamedTuple):
 
 
 class TileScheduler:
-    """num_splits: a static count (the backward's head_dim slices), or with
+    """num_splits: a static count, or with
     runtime_splits the count is a run-time value passed to grid() and tile() (the
     forward's split-KV, whose count the launcher picks per call without recompiling)."""
 

@@ -98,14 +98,11 @@ class BwdPostprocess:
         self.out_dtype = dtypes.dsl("output")
         self.varlen = features.varlen
         self.head_dim = head_dim
-        # one dQ_accum chunk per (query block, head_dim slice), as the main kernel writes them
-        self.num_d_slices = config.num_d_slices(head_dim)
-        self.d_slice = head_dim // self.num_d_slices
         self.tile_m = config.tile_m
         self.split_d = config.split_d
         self.dq_wgs = config.dq_warpgroups  # the main kernel's dQ layout: see BwdConfig.dq_warpgroups
         self.num_threads = 128 * self.dq_wgs
-        self.scheduler = TileScheduler(self.tile_m, self.varlen, num_splits=self.num_d_slices)
+        self.scheduler = TileScheduler(self.tile_m, self.varlen)
 
     @cute.jit
     def __call__(
@@ -117,9 +114,10 @@ class BwdPostprocess:
         softmax_scale: Float32,
         stream,
     ):
-        tiled_mma_dq = dq_accum.make_dq_mma(self.dtype, self.d_slice, self.dq_wgs)
-        sdQ_layout = mma_sm90.make_smem_layout(self.out_dtype, self.tile_m, self.d_slice,
-                                               atom_cols=self.d_slice // self.dq_wgs if self.split_d else None)
+        d = self.head_dim
+        tiled_mma_dq = dq_accum.make_dq_mma(self.dtype, d, self.dq_wgs)
+        sdQ_layout = mma_sm90.make_smem_layout(self.out_dtype, self.tile_m, d,
+                                               atom_cols=d // self.dq_wgs if self.split_d else None)
 
         @cute.struct
         class SharedStorage:
@@ -138,7 +136,7 @@ class BwdPostprocess:
         self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
         softmax_scale: Float32, tiled_mma_dq: cute.TiledMma, sdQ_layout: cute.ComposedLayout,
     ):
-        m_block, head, batch, d_block = self.scheduler.tile()
+        m_block, head, batch, _ = self.scheduler.tile()
         tidx, _, _ = cute.arch.thread_idx()
         seqlen = SeqlenInfo(
             batch, mdQ.shape[0], mdQ.shape[0], mCuSeqlensQ, mCuSeqlensQ, self.varlen, tile_m_padded=self.tile_m
@@ -147,12 +145,12 @@ class BwdPostprocess:
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         # varlen: the grid covers the longest sequence
         if not self.varlen or m_block * self.tile_m < seqlen.seqlen_q:
-            # the main kernel's chunk of this (query block, head_dim slice), in the dQ
+            # the main kernel's chunk of this query block, in the dQ
             # WGMMA's fragment order: read back into that fragment, each load coalesced
-            chunk = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block, d_block, self.num_d_slices)
-            base = chunk * (self.tile_m * self.d_slice)
+            chunk = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block)
+            base = chunk * (self.tile_m * self.head_dim)
             acc = cute.make_rmem_tensor(
-                tiled_mma_dq.get_slice(tidx).partition_shape_C((self.tile_m, self.d_slice)), Float32
+                tiled_mma_dq.get_slice(tidx).partition_shape_C((self.tile_m, self.head_dim)), Float32
             )
             for i in cutlass.range_constexpr(cute.size(acc)):
                 acc[i] = mdQaccum[seqlen.batch, head, base + dq_accum.offset(i, tidx, self.num_threads)]
@@ -161,5 +159,5 @@ class BwdPostprocess:
             # fifth of the memory bandwidth: 315 us for 200 MB on an H100)
             epilogue.acc_to_smem(acc, sdQ, tiled_mma_dq, tidx, self.out_dtype, scale=softmax_scale)
             cute.arch.sync_threads()
-            gdQ = cute.local_tile(seqlen.rows_q(mdQ, head), (self.tile_m, self.d_slice), (m_block, d_block))
+            gdQ = cute.local_tile(seqlen.rows_q(mdQ, head), (self.tile_m, self.head_dim), (m_block, 0))
             epilogue.store_rows(sdQ, gdQ, seqlen.seqlen_q - m_block * self.tile_m, tidx, self.num_threads)

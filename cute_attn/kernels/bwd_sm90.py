@@ -76,13 +76,13 @@ Varlen (blocks/seqlen.py): tiles past a sequence's keys exit at once; LSE2, D an
 are padded per sequence to whole query tiles; dK and dV leave row by row (not by TMA) so
 a partial tile never writes into the next sequence.
 
-Work tiles (blocks/tile_scheduler.py): block = the KV block, head = the KV head, split =
-the head_dim slice of dK/dV/dQ this CTA produces (head dims 192 and 256, see
-config.BwdConfig.d_slice; 0 otherwise).
+Work tiles (blocks/tile_scheduler.py): block = the KV block, head = the KV head.
 
 Constraints: config.CAPABILITIES["bwd"]: head dims 64, 96, 128 as described (at 96
-warpgroup 0 alone computes dQ, see BwdConfig.dq_warpgroups) and 192, 256 split over
-head_dim / 64 CTAs; fp16 or bf16 in, fp32 accumulation (config.DtypePolicy).
+warpgroup 0 alone computes dQ, see BwdConfig.dq_warpgroups) and 192, 256 with the two
+warpgroups splitting the head dim (BwdConfig.split_d: 64-key tiles, P^T and dS^T through
+shared memory; at 256 dQ by atomics, BwdConfig.dq_atomic); fp16 or bf16 in, fp32
+accumulation (config.DtypePolicy).
 Read the PTX without a GPU: python -m cute_attn ptx --kernel bwd --headdim 128 [--causal]
 """
 
@@ -148,7 +148,7 @@ class BwdLayouts(NamedTuple):
     sQ: cute.ComposedLayout  # (tile_m, head_dim, stages), also dO's
     sK: cute.ComposedLayout  # (tile_n, head_dim), also V's
     sdS: cute.ComposedLayout  # (tile_n, tile_m): dS^T, queries contiguous
-    sdKV: cute.ComposedLayout  # (tile_n, d_slice): dK, dV staged over sK, sV
+    sdKV: cute.ComposedLayout  # (tile_n, head_dim): dK, dV staged over sK, sV
     mma_sdp: cute.TiledMma  # S^T = K Q^T and dP^T = V dO^T
     mma_dkv: cute.TiledMma  # dV += P^T dO, dK += dS^T Q (A from registers)
     mma_dq: cute.TiledMma  # dQ = dS K
@@ -214,13 +214,10 @@ class FlashBwdSm90:
         self.dq_atomic = config.dq_atomic  # see BwdConfig.dq_atomic
         if self.dq_atomic and deterministic:
             raise ValueError("the deterministic backward orders its dQ reduce-adds: dq_atomic cannot serve it")
-        # the head_dim columns of dK, dV and dQ one CTA produces (see BwdConfig.d_slice)
         self.split_d = config.split_d  # see BwdConfig.split_d
-        self.num_d_slices = config.num_d_slices(head_dim)
-        self.d_slice = head_dim // self.num_d_slices
         # one CTA per (KV block, head_dim slice, KV head, batch). n_block 0 sees the most
         # query blocks under a causal mask, and grid order already launches it first.
-        self.scheduler = TileScheduler(self.tile_n, features.varlen, num_splits=self.num_d_slices)
+        self.scheduler = TileScheduler(self.tile_n, features.varlen)
 
     @cute.jit
     def __call__(
@@ -276,8 +273,8 @@ class FlashBwdSm90:
             sK=mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, atom_cols=half_atoms),
             # dS^T stored keys x queries with queries contiguous: read back MN-major as dS's A
             sdS=mma_sm90.make_smem_layout(self.p_dtype, self.tile_n, self.tile_m),
-            # dK / dV leave through sK / sV, seen as tile_n x d_slice tiles
-            sdKV=mma_sm90.make_smem_layout(self.out_dtype, self.tile_n, self.d_slice, atom_cols=half_atoms),
+            # dK / dV leave through sK / sV, seen as tile_n x head_dim tiles
+            sdKV=mma_sm90.make_smem_layout(self.out_dtype, self.tile_n, d, atom_cols=half_atoms),
             # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 keys x tile_m queries (split_d:
             # the two warpgroups side by side on the queries, tile_m / 2 each)
             mma_sdp=mma_sm90.make_tiled_mma(self.dtype, OperandMajorMode.K,
@@ -286,14 +283,14 @@ class FlashBwdSm90:
             # dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T / Q^T (head_dim
             # contiguous); split_d: A from shared memory (sP, sdS), each warpgroup d / 2 columns
             mma_dkv=mma_sm90.make_tiled_mma(
-                self.p_dtype, OperandMajorMode.MN, self.d_slice // wgs if self.split_d else self.d_slice, wgs,
+                self.p_dtype, OperandMajorMode.MN, d // wgs if self.split_d else d, wgs,
                 a_in_registers=not self.split_d, warpgroups_along_n=self.split_d,
             ),
-            mma_dq=dq_accum.make_dq_mma(self.p_dtype, self.d_slice, self.dq_wgs),
+            mma_dq=dq_accum.make_dq_mma(self.p_dtype, d, self.dq_wgs),
         )
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         q_tile = cute.select(layouts.sQ, mode=[0, 1])
-        dkv_tile = (self.tile_n, self.d_slice)
+        dkv_tile = (self.tile_n, d)
         stats_tile = cute.make_layout(self.tile_m)
         g = BwdGlobals(
             q=make_tma_tensor(load_op, mQ, q_tile, (self.tile_m, d)),
@@ -322,7 +319,7 @@ class FlashBwdSm90:
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
             if cutlass.const_expr(not self.dq_atomic):  # dQ atomics need no staging tile
-                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.d_slice], 128]
+                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
@@ -367,7 +364,7 @@ class FlashBwdSm90:
             ds=storage.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner),
             lse2=storage.sLSE2.get_tensor(stats_layout),
             dsum=storage.sD.get_tensor(stats_layout),
-            dq=None if self.dq_atomic else storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.d_slice)),
+            dq=None if self.dq_atomic else storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim)),
             # the epilogue's views of the K and V buffers
             dk=storage.sK.get_tensor(sdKV_l.outer, swizzle=sdKV_l.inner),
             dv=storage.sV.get_tensor(sdKV_l.outer, swizzle=sdKV_l.inner),
@@ -476,8 +473,8 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------
     @cute.jit
     def write_dq(self, g: BwdGlobals, sdQ, tile: WorkTile, group, block_range: BlockRange, seqlen: SeqlenInfo):
-        n_block, head_kv, d_block = tile.block, tile.head, tile.split
-        chunk = self.tile_m * self.d_slice
+        n_block, head_kv = tile.block, tile.head
+        chunk = self.tile_m * self.head_dim
         barrier_threads = self.num_mma_threads + 32
         lane = cute.arch.lane_idx()
         total = Int32(0)
@@ -495,7 +492,7 @@ class FlashBwdSm90:
             for j in cutlass.range(count, unroll=1):
                 m_block = self.q_block(blocks, m_first, j)
                 cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
-                tile_idx = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block, d_block, self.num_d_slices)
+                tile_idx = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block)
                 gdQaccum = cute.local_tile(g.dq_accum[None, head, seqlen.batch], (chunk,), (None,))
                 if lane == 0:
                     if cutlass.const_expr(self.deterministic):
@@ -539,18 +536,18 @@ class FlashBwdSm90:
         # with a single dQ warpgroup only warpgroup 0 uses these partitions
         wg_mma_dq = layouts.mma_dq.get_slice(wg_first_thread if self.dq_wgs > 1 else 0)
 
-        n_block, head_kv, d_block = tile.block, tile.head, tile.split
-        dkv_shape = wg_mma_dkv.partition_shape_C((self.tile_n, self.d_slice))
+        n_block, head_kv = tile.block, tile.head
+        dkv_shape = wg_mma_dkv.partition_shape_C((self.tile_n, self.head_dim))
         ops = StepOperands(
             tSrK=wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.k)),
             tSrQ=wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.q)),
             tdPrV=wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.v)),
             tdPrdO=wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.do)),
-            # B operands of dV, dK and dQ: this CTA's head_dim slice of dO^T, Q^T and K^T
-            tdVrdO=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(smem.do), d_block))),
-            tdKrQ=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(self.d_rows(mma_sm90.transpose_view(smem.q), d_block))),
+            # B operands of dV, dK and dQ: dO^T, Q^T and K^T
+            tdVrdO=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.do))),
+            tdKrQ=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.q))),
             tdQrdS=wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(smem.ds))),
-            tdQrK=wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(self.d_rows(mma_sm90.transpose_view(smem.k), d_block))),
+            tdQrK=wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(mma_sm90.transpose_view(smem.k))),
             acc_dV=cute.make_rmem_tensor(dkv_shape, Float32),
             acc_dK=cute.make_rmem_tensor(dkv_shape, Float32),
             tdVrP=wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(smem.p)) if self.split_d else None,
@@ -579,8 +576,8 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.dq_atomic):
                 # this head's dQ_accum chunks, and the first of this sequence's query blocks
                 chunks = cute.local_tile(g.dq_accum[None, head_kv * group + i, seqlen.batch],
-                                         (self.tile_m * self.d_slice,), (None,))
-                dq_dest = (chunks, dq_accum.chunk_index(seqlen.padded_m_block_offset, 0, d_block, self.num_d_slices))
+                                         (self.tile_m * self.head_dim,), (None,))
+                dq_dest = (chunks, dq_accum.chunk_index(seqlen.padded_m_block_offset, 0))
             dropout = None
             if cutlass.const_expr(self.features.dropout):
                 # the sequence's index, as the forward's tile.batch (seqlen.batch is 0 for varlen)
@@ -618,26 +615,19 @@ class FlashBwdSm90:
         epilogue.acc_to_smem(acc_dK, smem.dk, layouts.mma_dkv, tidx, self.out_dtype, scale=score.softmax_scale)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
-        dkv_tile = (self.tile_n, self.d_slice)
+        dkv_tile = (self.tile_n, self.head_dim)
         if cutlass.const_expr(self.features.varlen):
-            gdV = cute.local_tile(seqlen.rows_k(g.dv_rows, head_kv), dkv_tile, (n_block, d_block))
-            gdK = cute.local_tile(seqlen.rows_k(g.dk_rows, head_kv), dkv_tile, (n_block, d_block))
+            gdV = cute.local_tile(seqlen.rows_k(g.dv_rows, head_kv), dkv_tile, (n_block, 0))
+            gdK = cute.local_tile(seqlen.rows_k(g.dk_rows, head_kv), dkv_tile, (n_block, 0))
             keys_left = seqlen.seqlen_k - n_block * self.tile_n
             epilogue.store_rows(smem.dv, gdV, keys_left, tidx, self.num_mma_threads)
             epilogue.store_rows(smem.dk, gdK, keys_left, tidx, self.num_mma_threads)
         else:
             if tidx // 32 == 0:
-                gdV = cute.local_tile(seqlen.rows_k(g.dv.tensor, head_kv), dkv_tile, (n_block, d_block))
-                gdK = cute.local_tile(seqlen.rows_k(g.dk.tensor, head_kv), dkv_tile, (n_block, d_block))
+                gdV = cute.local_tile(seqlen.rows_k(g.dv.tensor, head_kv), dkv_tile, (n_block, 0))
+                gdK = cute.local_tile(seqlen.rows_k(g.dk.tensor, head_kv), dkv_tile, (n_block, 0))
                 epilogue.tma_store_tile(g.dv.atom, smem.dv, gdV)
                 epilogue.tma_store_tile(g.dk.atom, smem.dk, gdK)
-
-    def d_rows(self, t: cute.Tensor, d_block):
-        """Rows [d_block * d_slice, +d_slice) of a (head_dim, ...) smem view."""
-        if cutlass.const_expr(self.num_d_slices == 1):
-            return t
-        tiler = (self.d_slice,) + tuple(t.shape[1:])
-        return cute.local_tile(t, tiler, (d_block,) + (0,) * (cute.rank(t) - 1))
 
     @cute.jit
     def step(
@@ -742,7 +732,7 @@ class FlashBwdSm90:
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
 
         if wg_idx < self.dq_wgs:
-            acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.d_slice)), Float32)
+            acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
             if cutlass.const_expr(self.split_d):
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
                 mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, ops.tdKrdS, ops.tdKrQ[None, None, None, stage], wait_groups=1)
@@ -750,7 +740,7 @@ class FlashBwdSm90:
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
             if cutlass.const_expr(self.dq_atomic):
                 chunks, chunk0 = dq_dest
-                dq_accum.add_from_registers(acc_dQ, chunks[None, chunk0 + m_block * self.num_d_slices], tidx,
+                dq_accum.add_from_registers(acc_dQ, chunks[None, chunk0 + m_block], tidx,
                                             self.num_dq_threads)
             else:
                 for i in cutlass.range_constexpr(cute.size(acc_dQ)):
