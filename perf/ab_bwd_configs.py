@@ -1,0 +1,87 @@
+"""A/B of backward tile configs against cute_attn's default, FA4 and cuDNN (SDPA) in one
+process: the measurements behind config.bwd_config_for's head-dim-192/256 choices (split_d,
+dq_atomic; perf/NOTES.md, session 15). bf16, batch x seqlen = 16K tokens, 2048 / head_dim
+heads (10 at 192), interleaved rounds of triton's do_bench medians (perf/harness.py); before
+timing, each variant's gradients are compared with the default's (max relative difference).
+
+    python3 perf/ab_bwd_configs.py [rounds] [seqlens] [head dims] [variants]
+    python3 perf/ab_bwd_configs.py 3 4096,16384 256,192 sdq,atomic
+
+Variants (forced through launcher.bwd_config_for, where they apply to the head dim):
+    sdq      split_d with the sdQ tile and the dQ writer (192/256)
+    atomic   the default config with dq_atomic (dQ by vector atomics)
+    atomic3  the same with three stages (head dims <= 128)
+"""
+import contextlib
+import dataclasses
+import sys
+
+import torch
+
+sys.path.insert(0, "perf")
+import harness  # noqa: E402
+from cute_attn import config, launcher  # noqa: E402
+
+VARIANTS = {  # (head dim, features) -> a forced config, or None where it does not apply
+    "sdq": lambda d, f: config.split_d_bwd_config(d, dq_atomic=False) if d > 128 else None,
+    "atomic": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True),
+    "atomic3": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, num_stages=3)
+                             if d <= 128 else None),
+}
+
+
+@contextlib.contextmanager
+def forced(cfg):
+    real = launcher.bwd_config_for
+    launcher.bwd_config_for = lambda head_dim, features, deterministic=False: cfg
+    try:
+        yield
+    finally:
+        launcher.bwd_config_for = real
+
+
+def max_rel_diff(grads, ref):
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(grads, ref))
+
+
+def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    seqlens = harness.parse_int_list(sys.argv[2] if len(sys.argv) > 2 else "4096,16384")
+    head_dims = harness.parse_int_list(sys.argv[3] if len(sys.argv) > 3 else "256,192")
+    names = (sys.argv[4] if len(sys.argv) > 4 else "sdq").split(",")
+    print(torch.cuda.get_device_name(), flush=True)
+    base, _ = harness.load_impls(["cute_attn", "fa4", "sdpa_cudnn"])
+    for d in head_dims:
+        for causal in (False, True):
+            features = config.AttnFeatures(mask="causal" if causal else "none")
+            impls = dict(base)
+            for name in names:
+                cfg = VARIANTS[name](d, features)
+                if cfg is not None:
+                    impls[name] = dataclasses.replace(base["cute_attn"], name=name, context=lambda cfg=cfg: forced(cfg))
+            for s in seqlens:
+                nheads = 2048 // d if 2048 % d == 0 else 10
+                b = 16384 // s
+                q, k, v = (t.requires_grad_() for t in harness.random_qkv(b, s, nheads, d, torch.bfloat16, seed=s))
+                dout = harness.random_qkv(b, s, nheads, d, torch.bfloat16, seed=s + 1)[0]
+                grads = {}
+                for name in ("cute_attn", *names):
+                    if name in impls:
+                        with impls[name].context():
+                            grads[name] = torch.autograd.grad(impls[name].fn(q, k, v, causal), (q, k, v), dout)
+                diffs = {n: max_rel_diff(g, grads["cute_attn"]) for n, g in grads.items() if n != "cute_attn"}
+                del grads
+                first = {n: (lambda i=i: harness.make_impl_timer(i, "bwd", q, k, v, causal, dout)) for n, i in impls.items()}
+                ms, _ = harness.time_interleaved(first, rounds, lambda n, e: print("skip", n, harness.reason(e)))
+                flops = harness.BWD_FLOP_FACTOR * 4 * b * nheads * s * s * d / (2 if causal else 1)
+                tf = {n: flops / harness.median_ms(m) / 1e9 for n, m in ms.items()}
+                ratio = lambda a, c: f"{tf[a] / tf[c]:.2f}" if a in tf and c in tf else "-"  # noqa: E731
+                print(f"hd{d} {'causal' if causal else 'full'} s{s} b{b} h{nheads}: "
+                      + ", ".join(f"{n} {t:.0f}" for n, t in tf.items())
+                      + f" | cute_attn/fa4 {ratio('cute_attn', 'fa4')}, /cudnn {ratio('cute_attn', 'sdpa_cudnn')}, "
+                      + ", ".join(f"/{n} {ratio('cute_attn', n)}" for n in names if n in tf)
+                      + " | grad rel diff vs default " + ", ".join(f"{n} {e:.1e}" for n, e in diffs.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
