@@ -1116,7 +1116,7 @@ def run_bwd(
     f32 = dict(dtype=torch.float32, device=q.device)
     lse2 = torch.empty((stats_batch, heads, rows), **f32)
     dsum = torch.empty((stats_batch, heads, rows), **f32)
-    # bulk reduce-adds accumulate into it, so it starts at zero
+    # bulk reduce-adds or atomics (dq_atomic) accumulate into it, so it starts at zero
     dq_accum = torch.zeros((stats_batch, heads, rows * head_dim), **f32)
     if deterministic:
         # one turn counter per (batch, head, query block)

@@ -29,6 +29,7 @@ import datetime
 import functools
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -173,10 +174,14 @@ def coordinate_descent(base: FwdConfig, head_dim: int, features: AttnFeatures,
 
 def confirmed(confirmation: Optional[dict]) -> bool:
     """Whether a winner's re-timing {seqlen: gain over the default} holds: >= MIN_GAIN on
-    the geometric mean, and no seqlen slower. None (not re-timed): it does not."""
+    the geometric mean, and no seqlen slower (even by noise: the default stands unless
+    the winner holds everywhere). None (not re-timed), or a gain that is not a finite
+    number (a timing failed): it does not."""
     if not confirmation:
         return False
     gains = list(confirmation.values())
+    if not all(isinstance(g, (int, float)) and math.isfinite(g) for g in gains):
+        return False
     mean = 1.0
     for g in gains:
         mean *= max(1.0 + g, 1e-9)
@@ -201,7 +206,8 @@ def make_entry(base: FwdConfig, best: FwdConfig, times: dict, shape: dict, devic
         "device": device_name,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "measured": [{"config": dataclasses.asdict(c), "ms": ms} for c, ms in times.items()],
-        "confirmation": {str(s): round(g, 4) for s, g in (confirmation or {}).items()},
+        # a failed timing's gain is stored as None (JSON has no inf / nan)
+        "confirmation": {str(s): round(g, 4) if math.isfinite(g) else None for s, g in (confirmation or {}).items()},
     }
 
 

@@ -130,7 +130,8 @@ CASES = (
     Case("split-d-hd192-varlen", head_dim=192, nheads=4, nheads_kv=1, causal=True,
          lengths=((0, 40), (150, 200), (277, 129))),
     Case("split-d-hd256-deterministic-gqa", head_dim=256, nheads=4, nheads_kv=2, causal=True, deterministic=True),
-    # a config not yet the default, forced (extra "config"): the FP8 forward's double-buffered P
+    # the FP8 forward's double-buffered P (fp8_fwd_config_for's at hd 128 without a mask),
+    # forced (extra "config") so the case keeps covering it whatever the default
     Case("fp8-p-double-hd128", dtype="fp8", seqlen_q=700, seqlen_k=900, backward=False,
          extra={"config": "p_double_buffer"}),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too

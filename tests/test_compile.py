@@ -127,7 +127,8 @@ def test_backward_compiles_with_hopper_instructions(compiled_bwd, dtype, head_di
     if head_dim <= 192:
         assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in text  # dQ by the writer warp
     elif head_dim == 256:
-        assert "red.global.add.v2.f32" in text  # dQ by atomics from registers (BwdConfig.dq_atomic)
+        # dQ by atomics from registers (BwdConfig.dq_atomic), no bulk reduce-add
+        assert "red.global.add.v2.f32" in text and "cp.reduce.async.bulk" not in text
     assert "setmaxnreg.dec" in text and "setmaxnreg.inc" in text
     assert "mbarrier.try_wait" in text
     for name, art in arts.items():

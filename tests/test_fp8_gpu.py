@@ -178,8 +178,9 @@ def test_fp8_long_sequence_accuracy_report(capsys):
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_fp8_double_buffered_p_is_bit_identical(d, mask, monkeypatch):
     """FwdConfig.p_double_buffer (fp8_fwd_config_for's at hd 128 without a mask, forced
-    off and on here) only moves the e4m3 conversion of P beside the previous PV WGMMA: the same operations in the same order per element, so the output and LSE
-    equal the default kernel's bit for bit, at lengths giving odd and even numbers of
+    off and on here) only moves the e4m3 conversion of P beside the previous PV WGMMA:
+    the same operations in the same order per element, so the output and LSE of the two
+    are equal bit for bit, at lengths giving odd and even numbers of
     unmasked blocks (pairs and the remainder) and one block short of a tile. Then the
     accuracy rule of the FP8 tests holds for it too."""
     import dataclasses

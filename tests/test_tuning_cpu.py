@@ -6,6 +6,7 @@ tuned config. The timing itself (cuda_measure) needs the GPU machine:
 import dataclasses
 import json
 import logging
+import math
 
 import pytest
 
@@ -79,6 +80,8 @@ HOLDS = {1024: 0.05, 4096: 0.04, 16384: 0.03}
     (0.10, None, False),  # never re-timed
     (0.10, {1024: 0.10, 4096: 0.05, 16384: -0.01}, False),  # slower at one seqlen
     (0.10, {1024: 0.02, 4096: 0.01, 16384: 0.01}, False),  # geometric mean below MIN_GAIN
+    (0.10, {1024: float("inf"), 4096: 0.05, 16384: 0.05}, False),  # the default's timing failed
+    (0.10, {1024: float("nan"), 4096: 0.05, 16384: 0.05}, False),  # both failed
 ])
 def test_table_round_trip_adopts_only_a_confirmed_gain(table_dir, gain, confirmation, adopted):
     features = AttnFeatures()
@@ -90,7 +93,8 @@ def test_table_round_trip_adopts_only_a_confirmed_gain(table_dir, gain, confirma
     assert path.parent == table_dir and path.name == "nvidia-test-gpu-80gb-fwd.json"
     stored = json.loads(path.read_text())["entries"]["bf16/128/none"]
     assert stored["adopted"] is adopted and len(stored["measured"]) == 2 and stored["default_ms"] == 1.0
-    assert stored["confirmation"] == {str(k): v for k, v in (confirmation or {}).items()}
+    expected = {str(k): (v if math.isfinite(v) else None) for k, v in (confirmation or {}).items()}
+    assert stored["confirmation"] == expected
     got = tuning.tuned_fwd_config(DEVICE, "bf16", 128, features)
     assert got == (better if adopted else None)  # not adopted: the heuristic's default stands
     # only that entry: other dtypes, head dims, masks and the features tuning leaves alone

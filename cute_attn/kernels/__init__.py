@@ -8,7 +8,7 @@ imports another: what two kernels share lives in cute_attn/blocks/.
                ping-pong. Every mask kind, softcap, varlen, GQA (packed for short queries).
   bwd_sm90     FlashBwdSm90: dK, dV for one KV tile per CTA and its share of dQ, added
                into an fp32 accumulator with bulk reduce-adds (deterministic mode orders
-               them with turn counters).
+               them with turn counters) or, at head dim 256, vector atomics (dq_atomic).
   bwd_prepost  BwdPreprocess (D = rowsum(dO * O), LSE * log2(e), padded to whole tiles)
                and BwdPostprocess (dQ from the fp32 accumulator), one query tile per CTA.
                FlashFwdSm90SplitKV: the same with FwdConfig.split_kv, several CTAs per

@@ -16,13 +16,15 @@ dS as their A operand (dV += P^T dO and dK += dS^T Q) take them straight from re
   dQ   = dS K           (A = dS^T written to smem, read MN-major; B = K^T view)
 LSE2 and D are per query, i.e. per column of the S^T tile.
 
-Warp roles (128 * (1 + tile_n / 64) threads):
+Warp roles (128 * (1 + BwdConfig.num_mma_warpgroups) threads):
   * warpgroup 0, the producer (setmaxnreg 24): warp 0 issues the TMA loads (K and V once;
     then per query block Q with its LSE2 chunk, and dO with its D chunk, into
-    `num_stages`-deep rings); warp 1 is the dQ writer: it adds each finished dQ tile from
-    shared memory to global memory with one bulk reduce-add (cp.reduce.async.bulk .add.f32).
-  * warpgroups 1.. (setmaxnreg 240): each owns 64 keys of the tile and keeps their dK and
-    dV accumulators in registers across the whole loop over query blocks.
+    `num_stages`-deep rings); warp 1 is the dQ writer (absent with dq_atomic): it adds each
+    finished dQ tile from shared memory to global memory with one bulk reduce-add
+    (cp.reduce.async.bulk .add.f32).
+  * warpgroups 1.. (setmaxnreg 240): each owns 64 keys of the tile (split_d: the tile's
+    64 keys and half the head dim) and keeps their dK and dV accumulators in registers
+    across the whole loop over query blocks.
 
 Barrier protocol per query block (named barriers, see blocks/barriers.py):
   consumers: ... wait DQ_EMPTY (the writer is done reading sdQ, and so every warpgroup has
@@ -81,8 +83,8 @@ Work tiles (blocks/tile_scheduler.py): block = the KV block, head = the KV head.
 Constraints: config.CAPABILITIES["bwd"]: head dims 64, 96, 128 as described (at 96
 warpgroup 0 alone computes dQ, see BwdConfig.dq_warpgroups) and 192, 256 with the two
 warpgroups splitting the head dim (BwdConfig.split_d: 64-key tiles, P^T and dS^T through
-shared memory; at 256 dQ by atomics, BwdConfig.dq_atomic); fp16 or bf16 in, fp32
-accumulation (config.DtypePolicy).
+shared memory; at 256 dQ by atomics unless deterministic, BwdConfig.dq_atomic); fp16 or
+bf16 in, fp32 accumulation (config.DtypePolicy).
 Read the PTX without a GPU: python -m cute_attn ptx --kernel bwd --headdim 128 [--causal]
 """
 
@@ -168,7 +170,7 @@ class BwdSmem(NamedTuple):
     ds: cute.Tensor
     lse2: cute.Tensor  # (tile_m, stages)
     dsum: cute.Tensor
-    dq: cute.Tensor  # one dQ tile (fp32) on its way to the dQ writer
+    dq: cute.Tensor  # one dQ tile (fp32) on its way to the dQ writer; None with dq_atomic
     dk: cute.Tensor  # the epilogue's views of sK and sV
     dv: cute.Tensor
     p: cute.Tensor  # split_d: P^T, like ds
@@ -215,7 +217,7 @@ class FlashBwdSm90:
         if self.dq_atomic and deterministic:
             raise ValueError("the deterministic backward orders its dQ reduce-adds: dq_atomic cannot serve it")
         self.split_d = config.split_d  # see BwdConfig.split_d
-        # one CTA per (KV block, head_dim slice, KV head, batch). n_block 0 sees the most
+        # one CTA per (KV block, KV head, batch). n_block 0 sees the most
         # query blocks under a causal mask, and grid order already launches it first.
         self.scheduler = TileScheduler(self.tile_n, features.varlen)
 
