@@ -473,8 +473,9 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
         return BwdConfig(tile_m=128, tile_n=128, num_stages=2)
     if head_dim > 128:
         # split_d measured 1.26-1.58x the recomputing head-dim slices it replaced at 256
-        # and 1.48-1.73x at 192; dQ by atomics (its second stage) 1.29-1.37x the sdQ tile at 256, 0.93-0.99x at
-        # 192, where sdQ leaves room for two stages anyway (H100, 4K and 16K, causal or
-        # not; perf/NOTES.md, session 15). Atomics have no order: never deterministic.
+        # and 1.48-1.73x at 192; dQ by atomics (its second stage) 1.29-1.37x the sdQ
+        # tile at 256, 0.93-0.99x at 192, where sdQ leaves room for two stages anyway
+        # (H100, 4K and 16K, causal or not; perf/NOTES.md, session 15). Atomics have no
+        # order: never deterministic.
         return split_d_bwd_config(head_dim, dq_atomic=head_dim > 192 and not deterministic)
     return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2)

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import re
+import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -180,13 +181,9 @@ def confirmed(confirmation: Optional[dict]) -> bool:
     if not confirmation:
         return False
     gains = list(confirmation.values())
-    if not all(isinstance(g, (int, float)) and math.isfinite(g) for g in gains):
+    if not all(isinstance(g, (int, float)) and math.isfinite(g) for g in gains) or min(gains) < 0.0:
         return False
-    mean = 1.0
-    for g in gains:
-        mean *= max(1.0 + g, 1e-9)
-    mean = mean ** (1.0 / len(gains)) - 1.0
-    return mean >= MIN_GAIN and min(gains) >= 0.0
+    return statistics.geometric_mean(1.0 + g for g in gains) - 1.0 >= MIN_GAIN
 
 
 def make_entry(base: FwdConfig, best: FwdConfig, times: dict, shape: dict, device_name: str,
