@@ -110,3 +110,15 @@ def acc_layout_as_operand_a(layout: cute.Layout) -> cute.Layout:
 
 def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, acc_layout_as_operand_a(acc.layout))
+
+
+@cute.jit
+def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
+    """Convert an fp32 accumulator into the next WGMMA's 16-bit A fragment (dst), one K
+    block of 8 registers at a time. A whole-tile conversion vectorises to cvt.rn.bf16x2
+    only when the K-block count is a power of two: 144- and 176-key blocks (9 and 11 K
+    blocks) got scalar cvts plus packing movs between the PV WGMMAs, which ptxas then
+    serialised (C7519, ptxas -v)."""
+    src = acc_as_operand_a(acc)
+    for k in cutlass.range_constexpr(cute.size(src.shape[2])):
+        dst[None, None, k].store(src[None, None, k].load().to(dst.element_type))

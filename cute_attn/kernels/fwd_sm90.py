@@ -751,7 +751,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.fp8):
             fp8_operand.scores_to_fp8_operand_a(acc_S, tOrP)
         else:
-            tOrP.store(mma_sm90.acc_as_operand_a(acc_S).load().to(self.p_dtype))
+            mma_sm90.acc_to_operand_a(acc_S, tOrP)
 
     @cute.jit
     def fold_descales(self, g: FwdGlobals, score: ScoreScale, tile: WorkTile):
