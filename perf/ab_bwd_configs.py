@@ -4,13 +4,15 @@ dq_atomic; perf/NOTES.md, session 15). bf16, batch x seqlen = 16K tokens, 2048 /
 heads (10 at 192), interleaved rounds of triton's do_bench medians (perf/harness.py); before
 timing, each variant's gradients are compared with the default's (max relative difference).
 
-    python3 perf/ab_bwd_configs.py [rounds] [seqlens] [head dims] [variants]
+    python3 perf/ab_bwd_configs.py [rounds] [seqlens] [head dims] [variants] [causal: 0,1]
     python3 perf/ab_bwd_configs.py 3 4096,16384 256,192 sdq,atomic
+    python3 perf/ab_bwd_configs.py 5 1024,4096,16384 128,64 nolpt 1
 
 Variants (forced through launcher.bwd_config_for, where they apply to the head dim):
     sdq      split_d with the sdQ tile and the dQ writer (192/256)
     atomic   the default config with dq_atomic (dQ by vector atomics)
     atomic3  the same with three stages (head dims <= 128)
+    nolpt    causal: the default config in grid order instead of LPT order
 """
 import contextlib
 import dataclasses
@@ -27,6 +29,7 @@ VARIANTS = {  # (head dim, features) -> a forced config, or None where it does n
     "atomic": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True),
     "atomic3": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, num_stages=3)
                              if d <= 128 else None),
+    "nolpt": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), lpt=False) if f.causal_like else None,
 }
 
 
@@ -49,10 +52,11 @@ def main():
     seqlens = harness.parse_int_list(sys.argv[2] if len(sys.argv) > 2 else "4096,16384")
     head_dims = harness.parse_int_list(sys.argv[3] if len(sys.argv) > 3 else "256,192")
     names = (sys.argv[4] if len(sys.argv) > 4 else "sdq").split(",")
+    causals = harness.parse_int_list(sys.argv[5] if len(sys.argv) > 5 else "0,1")
     print(torch.cuda.get_device_name(), flush=True)
     base, _ = harness.load_impls(["cute_attn", "fa4", "sdpa_cudnn"])
     for d in head_dims:
-        for causal in (False, True):
+        for causal in map(bool, causals):
             features = config.AttnFeatures(mask="causal" if causal else "none")
             impls = dict(base)
             for name in names:

@@ -8,8 +8,8 @@ different block order is ~1e-3 on these inputs, a wrong kernel is O(1)).
     python3 perf/ab_fwd_configs.py [--rounds 5] [--headdims 128] [--seqlens 4096,16384]
                                    [--variants n144,n176,s3] [--causal 0,1]
 
-A variant name is a field letter and a value, applied to the default: n<keys> (tile_n),
-m<rows> (tile_m), s<stages> (num_stages).
+A variant name is a field and a value, applied to the default: n<keys> (tile_n),
+m<rows> (tile_m), s<stages> (num_stages), lpt0 / lpt1 (the causal tile order).
 """
 import argparse
 import dataclasses
@@ -25,6 +25,8 @@ FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages"}
 
 
 def variant(base, name: str):
+    if name.startswith("lpt"):
+        return dataclasses.replace(base, lpt=bool(int(name[3:])))
     return dataclasses.replace(base, **{FIELDS[name[0]]: int(name[1:])})
 
 
