@@ -264,9 +264,6 @@ class FwdConfig(_WarpSpecialized):
     # converted to e4m3 while block j-1's PV WGMMA still reads the other one (the bulk of
     # unmasked blocks, taken in pairs); off: the conversion waits for that WGMMA.
     p_double_buffer: bool = False
-    # Causal-like masks: tiles in longest-processing-time order across L2-sized head
-    # sections (blocks/tile_scheduler.py); off: each head's query blocks in turn.
-    lpt: bool = True
 
     @property
     def kv_box_rows(self) -> int:
@@ -437,9 +434,6 @@ class BwdConfig(_WarpSpecialized):
     # 256: room for a second Q/dO stage) and the DQ_FULL / DQ_EMPTY hand-off. Atomics land
     # in no fixed order, so the deterministic backward never takes it (bwd_config_for).
     dq_atomic: bool = False
-    # Causal-like masks: KV blocks in longest-processing-time order (every head's block 0
-    # first) across L2-sized head sections (blocks/tile_scheduler.py); off: grid order.
-    lpt: bool = True
 
     @property
     def num_mma_warpgroups(self) -> int:

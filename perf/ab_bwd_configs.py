@@ -6,13 +6,12 @@ timing, each variant's gradients are compared with the default's (max relative d
 
     python3 perf/ab_bwd_configs.py [rounds] [seqlens] [head dims] [variants] [causal: 0,1]
     python3 perf/ab_bwd_configs.py 3 4096,16384 256,192 sdq,atomic
-    python3 perf/ab_bwd_configs.py 5 1024,4096,16384 128,64 nolpt 1
+    python3 perf/ab_bwd_configs.py 5 1024,4096,16384 128,64 atomic 1
 
 Variants (forced through launcher.bwd_config_for, where they apply to the head dim):
     sdq      split_d with the sdQ tile and the dQ writer (192/256)
     atomic   the default config with dq_atomic (dQ by vector atomics)
     atomic3  the same with three stages (head dims <= 128)
-    nolpt    causal: the default config in grid order instead of LPT order
 """
 import contextlib
 import dataclasses
@@ -29,7 +28,6 @@ VARIANTS = {  # (head dim, features) -> a forced config, or None where it does n
     "atomic": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True),
     "atomic3": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, num_stages=3)
                              if d <= 128 else None),
-    "nolpt": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), lpt=False) if f.causal_like else None,
 }
 
 

@@ -9,7 +9,7 @@ different block order is ~1e-3 on these inputs, a wrong kernel is O(1)).
                                    [--variants n144,n176,s3] [--causal 0,1]
 
 A variant name is a field and a value, applied to the default: n<keys> (tile_n),
-m<rows> (tile_m), s<stages> (num_stages), lpt0 / lpt1 (the causal tile order).
+m<rows> (tile_m), s<stages> (num_stages).
 """
 import argparse
 import dataclasses
@@ -25,8 +25,6 @@ FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages"}
 
 
 def variant(base, name: str):
-    if name.startswith("lpt"):
-        return dataclasses.replace(base, lpt=bool(int(name[3:])))
     return dataclasses.replace(base, **{FIELDS[name[0]]: int(name[1:])})
 
 

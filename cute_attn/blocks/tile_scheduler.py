@@ -12,17 +12,10 @@ A work tile is (block, head, batch, split):
     block's KV range (split-KV, clipped by blocks/block_range.py); 0 when unsplit.
 
 One tile per CTA for now (grid = blocks * splits x heads x batch). Causal tiles differ in
-cost (the forward's last query blocks see the most keys, the backward's first KV blocks the
-most queries), and the GPU dispatches CTAs roughly in grid order (x fastest) as SMs free
-up. In plain grid order each head's blocks come in turn, so the last head's longest tile
-starts near the end and runs past everyone else: a tail of up to one long tile. `lpt`
-(longest-processing-time first) renumbers the CTAs so that every head's longest block goes
-before any head's next-longest; `longest_first` says which end of the block range is the
-long one. To keep the K/V (forward) or Q/dO (backward) that concurrent CTAs share in L2,
-heads are taken in sections of `section` (head, batch) pairs (a run-time count from the
-kernel: as many heads as fit a share of L2), LPT order inside each section. Variable-length
-batches size the block mode by the longest sequence; the kernels skip tiles past a shorter
-one's end. A persistent scheduler will replace this class without touching the kernels.
+cost: the last query blocks see the most keys, so `longest_first` launches them first
+(longest-processing-time order) to shorten the tail. Variable-length batches size the
+block mode by the longest sequence; the kernels skip tiles past a shorter one's end. A
+persistent scheduler will replace this class without touching the kernels.
 """
 
 from typing import NamedTuple
@@ -30,21 +23,6 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
-
-
-# The share of L2 (50 MB on the H100 and H200) that one LPT section's shared operand may
-# take: about half, leaving the rest to the tiles streaming through and to the copies the
-# two L2 partitions keep of the same lines.
-L2_SECTION_BYTES = 24 * 1024 * 1024
-
-
-@cute.jit
-def section_pairs(rows, row_bytes: cutlass.Constexpr[int], heads_per_operand):
-    """(head, batch) pairs per LPT section: as many shared operands (rows x row_bytes each:
-    one KV head's K and V in the forward) as fit L2_SECTION_BYTES, at least one, times the
-    grid heads that read the same one (a GQA group's query heads)."""
-    operands = cutlass.max(Int32(L2_SECTION_BYTES // row_bytes) // rows, Int32(1))
-    return operands * heads_per_operand
 
 
 class WorkTile(NamedTuple):
@@ -60,15 +38,12 @@ class TileScheduler:
     forward's split-KV, whose count the launcher picks per call without recompiling)."""
 
     def __init__(self, tile_size: int, varlen: bool, num_splits: int = 1, longest_first: bool = False,
-                 runtime_splits: bool = False, lpt: bool = False):
+                 runtime_splits: bool = False):
         self.tile_size = tile_size  # rows (or keys) per block
         self.varlen = varlen
         self.num_splits = num_splits
-        self.longest_first = longest_first  # the last block is the longest (else the first)
+        self.longest_first = longest_first
         self.runtime_splits = runtime_splits
-        # block-major order across head sections (module docstring); not with splits (a
-        # tile's splits stay neighbours) nor varlen (blocks differ in cost by sequence)
-        self.lpt = lpt and not varlen and not runtime_splits and num_splits == 1
 
     def grid(self, mX: cute.Tensor, cu_seqlens: cute.Tensor, max_seqlen, num_splits=None):
         """Launch grid over the tensor whose rows the blocks tile, in the kernel-side view
@@ -85,12 +60,9 @@ class TileScheduler:
         return (num_blocks * splits, cute.size(mX.shape[2]), batch)
 
     @cute.jit
-    def tile(self, num_splits=None, section=None) -> WorkTile:
-        """This CTA's tile. section: (head, batch) pairs per L2 section (lpt only)."""
+    def tile(self, num_splits=None) -> WorkTile:
         bid, head, batch = cute.arch.block_idx()
         num_blocks = cute.arch.grid_dim()[0]
-        if cutlass.const_expr(self.lpt):
-            return self._lpt_tile(bid, head, batch, section)
         block, split = bid, Int32(0)
         if cutlass.const_expr(self.runtime_splits or self.num_splits > 1):
             # the splits of one block are neighbours in the grid: they run side by side
@@ -102,27 +74,3 @@ class TileScheduler:
         if cutlass.const_expr(self.longest_first):
             block = num_blocks - 1 - block
         return WorkTile(Int32(block), Int32(head), Int32(batch), Int32(split))
-
-    @cute.jit
-    def _lpt_tile(self, bid, head, batch, section) -> WorkTile:
-        num_blocks, num_heads, num_batch = cute.arch.grid_dim()
-        n = bid + num_blocks * (head + num_heads * batch)  # the CTA's place in grid order
-        block, head, batch = lpt_order(n, num_blocks, num_heads, num_batch, section, self.longest_first)
-        return WorkTile(Int32(block), Int32(head), Int32(batch), Int32(0))
-
-
-def lpt_order(n, num_blocks, num_heads, num_batch, section, longest_last: bool):
-    """CTA number n (grid order) -> (block, head, batch): section n // (blocks x section);
-    inside it, rank r // width of the block range (the longest first: the last block when
-    longest_last) for (head, batch) pair r % width, heads fastest (a GQA group's query heads
-    side by side). The last section may be narrower. Plain arithmetic, so the same code
-    runs in the kernel (Int32) and in the CPU tests (int)."""
-    pairs = num_heads * num_batch
-    per_section = num_blocks * section
-    sec = n // per_section
-    r = n - sec * per_section
-    width = cutlass.min(section, pairs - sec * section)
-    rank = r // width
-    pair = sec * section + r - rank * width
-    block = num_blocks - 1 - rank if longest_last else rank
-    return block, pair % num_heads, pair // num_heads

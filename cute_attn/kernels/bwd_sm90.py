@@ -107,7 +107,7 @@ from cute_attn.blocks.dropout import Dropout, DropoutArgs
 from cute_attn.blocks.mods import BlockList, ModTile
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import ColumnStat, ScoreScale, fold_score_scale, probs_from_lse, softcap_scores
-from cute_attn.blocks.tile_scheduler import TileScheduler, WorkTile, section_pairs
+from cute_attn.blocks.tile_scheduler import TileScheduler, WorkTile
 from cute_attn.blocks.tma_pipeline import (
     TmaTensor,
     make_tma_pipeline,
@@ -217,9 +217,9 @@ class FlashBwdSm90:
         if self.dq_atomic and deterministic:
             raise ValueError("the deterministic backward orders its dQ reduce-adds: dq_atomic cannot serve it")
         self.split_d = config.split_d  # see BwdConfig.split_d
-        # one CTA per (KV block, KV head, batch). n_block 0 sees the most query blocks
-        # under a causal mask: LPT order takes every head's block 0 first
-        self.scheduler = TileScheduler(self.tile_n, features.varlen, lpt=config.lpt and features.causal_like)
+        # one CTA per (KV block, KV head, batch). n_block 0 sees the most
+        # query blocks under a causal mask, and grid order already launches it first.
+        self.scheduler = TileScheduler(self.tile_n, features.varlen)
 
     @cute.jit
     def __call__(
@@ -373,13 +373,8 @@ class FlashBwdSm90:
             p=storage.sP.get_tensor(sdS_l.outer, swizzle=sdS_l.inner) if self.split_d else None,
         )
 
+        tile = self.scheduler.tile()
         mQ, mK = g.q.tensor, g.k.tensor
-        section = None
-        if cutlass.const_expr(self.scheduler.lpt):
-            # the shared operand of a section: a KV head's query rows (the group's heads),
-            # Q and dO (16-bit) and the fp32 dQ accumulator, head_dim wide each
-            section = section_pairs(mQ.shape[0] * (mQ.shape[2] // mK.shape[2]), 8 * self.head_dim, 1)
-        tile = self.scheduler.tile(None, section)
         seqlen = SeqlenInfo(
             tile.batch, mQ.shape[0], mK.shape[0], g.cu_seqlens_q, g.cu_seqlens_k, self.features.varlen,
             tile_m_padded=self.tile_m,

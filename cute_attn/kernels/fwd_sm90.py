@@ -89,7 +89,7 @@ from cute_attn.blocks.dropout import Dropout, DropoutArgs
 from cute_attn.blocks.mask import AttentionMask, Window
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.softmax import OnlineSoftmax, ScoreScale, fold_score_scale, softcap_scores
-from cute_attn.blocks.tile_scheduler import TileScheduler, WorkTile, section_pairs
+from cute_attn.blocks.tile_scheduler import TileScheduler, WorkTile
 from cute_attn.blocks.tma_pipeline import (
     TmaTensor,
     make_tma_pipeline,
@@ -212,8 +212,7 @@ class FlashFwdSm90:
         assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
         # causal-like masks: the last query blocks see the most keys, so they go first
         self.scheduler = TileScheduler(
-            self.tile_m, features.varlen, longest_first=features.causal_like, runtime_splits=config.split_kv,
-            lpt=config.lpt and features.causal_like,
+            self.tile_m, features.varlen, longest_first=features.causal_like, runtime_splits=config.split_kv
         )
 
     @cute.jit
@@ -367,12 +366,8 @@ class FlashFwdSm90:
             row_lse=storage.row_lse.get_tensor(cute.make_layout(self.tile_m)),
         )
 
+        tile = self.scheduler.tile(num_splits)
         mQ, mK = g.q.tensor, g.k.tensor
-        section = None
-        if cutlass.const_expr(self.scheduler.lpt):
-            # the shared operand of a section: one KV head's K and V rows
-            section = section_pairs(mK.shape[0], 2 * self.head_dim * self.dtype.width // 8, mQ.shape[2] // mK.shape[2])
-        tile = self.scheduler.tile(num_splits, section)
         # packed GQA: the row mode is (group, seqlen_q); the sequence is its second part
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack_gqa > 1) else mQ.shape[0]
         # the keys an entry can hold: the cache's rows, or its page-table row's pages
