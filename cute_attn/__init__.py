@@ -11,7 +11,7 @@ are logged at INFO on the "cute_attn" logger.
 
 from cute_attn import reference
 from cute_attn.api import mha, mha_varlen
-from cute_attn.block_mask import BlockMask, create_block_mask
+from cute_attn.block_mask import BlockMask, create_block_mask, create_varlen_block_mask
 from cute_attn.dropout import dropout_mask
 from cute_attn.compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, sdpa
 from cute_attn.fp8 import quantize_fp8
@@ -23,6 +23,7 @@ __all__ = [
     "quantize_fp8",
     "BlockMask",
     "create_block_mask",
+    "create_varlen_block_mask",
     "dropout_mask",
     "__version__",
 ]

@@ -107,7 +107,7 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             causal / window_size / softcap (write them as mods: masks.causal(),
             masks.and_masks(...)). Forward and backward (the backward differentiates
             score_mod itself, masks.Dual; deterministic=True orders dQ by the block
-            mask's turns), dense batches.
+            mask's turns); packed batches in mha_varlen.
         aux_tensors: tensors a plain-function mod reads as seq.aux[i] (the built-ins
             carry their own); on q's device.
         block_mask: cute_attn.create_block_mask(mask_mod, ...) for this shape, built
@@ -235,8 +235,7 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
     """Attention with mask/score mods, a sink and/or dropout (kernels/fwd_sm90.
     FlashFwdSm90Mods, and under autograd kernels/bwd_sm90.FlashBwdSm90Mods). dropout:
     (dropout_p, dropout_seed) as _checked_dropout_p left them; varlen: mha_varlen's
-    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), for a sink and dropout
-    (mha_varlen takes no mods)."""
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     from cute_attn.masks import Modifier
 
     has_mods = mask_mod is not None or score_mod is not None
@@ -357,7 +356,9 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                check_cu_seqlens: Optional[bool] = ..., q_descale: Optional[Tensor] = ...,
                k_descale: Optional[Tensor] = ..., v_descale: Optional[Tensor] = ...,
                out_dtype: Optional[torch.dtype] = ..., learnable_sink: Optional[Tensor] = ...,
-               dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> Tensor: ...
+               dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...,
+               mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ...,
+               aux_tensors: Sequence[Tensor] = ..., block_mask: Optional[BlockMask] = ...) -> Tensor: ...
 @overload
 def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
@@ -366,7 +367,9 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                check_cu_seqlens: Optional[bool] = ..., q_descale: Optional[Tensor] = ...,
                k_descale: Optional[Tensor] = ..., v_descale: Optional[Tensor] = ...,
                out_dtype: Optional[torch.dtype] = ..., learnable_sink: Optional[Tensor] = ...,
-               dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> _TensorPair: ...
+               dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...,
+               mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ...,
+               aux_tensors: Sequence[Tensor] = ..., block_mask: Optional[BlockMask] = ...) -> _TensorPair: ...
 @overload
 def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = ...,
@@ -375,7 +378,9 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                check_cu_seqlens: Optional[bool] = ..., q_descale: Optional[Tensor] = ...,
                k_descale: Optional[Tensor] = ..., v_descale: Optional[Tensor] = ...,
                out_dtype: Optional[torch.dtype] = ..., learnable_sink: Optional[Tensor] = ...,
-               dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> Union[Tensor, _TensorPair]: ...
+               dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...,
+               mask_mod: Optional[Callable] = ..., score_mod: Optional[Callable] = ...,
+               aux_tensors: Sequence[Tensor] = ..., block_mask: Optional[BlockMask] = ...) -> Union[Tensor, _TensorPair]: ...
 
 
 def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -385,7 +390,10 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                check_cu_seqlens: Optional[bool] = None, q_descale: Optional[Tensor] = None,
                k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
                out_dtype: Optional[torch.dtype] = None, learnable_sink: Optional[Tensor] = None,
-               dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None) -> Union[Tensor, _TensorPair]:
+               dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None,
+               mask_mod: Optional[Callable] = None, score_mod: Optional[Callable] = None,
+               aux_tensors: Sequence[Tensor] = (), block_mask: Optional[BlockMask] = None
+               ) -> Union[Tensor, _TensorPair]:
     """mha over a packed batch of variable-length sequences, differentiable.
 
     Args:
@@ -409,9 +417,22 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
             dropout mask of sequence b is the one `mha` draws for batch entry b with the
             same seed (dropout_mask(seed, b, ...), positions counted within the sequence).
             Traced by torch.compile through cute_attn::fwd_varlen_mods; not with FP8.
+        mask_mod, score_mod, aux_tensors: as in `mha`, forward and backward, with the
+            packed batch's indices: b is the sequence's index and q_idx / kv_idx are
+            global (rows of the packed q / k: the sequence's offset added), so an aux
+            tensor over the packed tokens is indexed directly (masks.document with
+            (total,) ids); seq.seqlen_q / seqlen_k are the sequence's lengths and
+            seq.offset_q / offset_k its offsets, which the built-ins use to align
+            per sequence (masks.causal() is bottom-right aligned per sequence).
+        block_mask: cute_attn.create_varlen_block_mask(mask_mod, cu_seqlens_q,
+            cu_seqlens_k, nheads, head_dim=...) for this batch of lengths, built once and
+            passed to every layer (checked against the call's offsets once per offsets
+            tensor and version); None builds one per (mask, offsets) and caches it while
+            the same offset and aux tensors live unmodified. Both read the offsets to
+            the host once (a small copy that waits for the GPU's queued work), so a
+            CUDA-graph capture needs the block mask built before it.
         Everything else as in `mha` (FP8 too: descales (batch, nheads_kv) with batch the
-            number of sequences); masks are bottom-right aligned per sequence. No
-            mask/score mods here yet.
+            number of sequences); masks are bottom-right aligned per sequence.
 
     Returns:
         out (total_q, nheads, headdim) like q, or (out, lse) with lse float32
@@ -436,7 +457,7 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     descales = (q_descale, k_descale, v_descale)
     fp8 = any(d is not None for d in descales) or getattr(q, "dtype", None) is FP8
     if fp8:
-        _refuse_fp8_extras(dropout_p, sink=learnable_sink)
+        _refuse_fp8_extras(dropout_p, mask_mod, score_mod, aux_tensors, block_mask, learnable_sink)
     validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale, check_cu_seqlens, softcap=softcap,
                                fp8=(descales, out_dtype) if fp8 else None)
@@ -448,9 +469,11 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     no_kernel = total_q == 0 or total_k == 0 or q.shape[1] == 0
-    if not fp8 and (learnable_sink is not None or dropout_p):  # the mods' kernels build their own features
-        return _run_mods(q, k, v, causal, window, softcap, scale, None, None, (), None, return_lse, deterministic,
-                         no_kernel, learnable_sink, (dropout_p, dropout_seed), varlen=varlen)
+    if not fp8 and (mask_mod is not None or score_mod is not None or block_mask is not None or aux_tensors
+                    or learnable_sink is not None or dropout_p):  # the mods' kernels build their own features
+        return _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_tensors, block_mask,
+                         return_lse, deterministic, no_kernel, learnable_sink, (dropout_p, dropout_seed),
+                         varlen=varlen)
     features, run_args = _features_and_args(causal, window, softcap, scale, varlen=varlen)
     if fp8:
         policy = FP8_POLICY_OF_OUTPUT[out_dtype or torch.bfloat16]

@@ -28,6 +28,7 @@ none is given.
 """
 
 import math
+import weakref
 from collections import OrderedDict
 from typing import NamedTuple, Optional
 
@@ -51,7 +52,9 @@ class BlockMask(NamedTuple):
     transposed (the backward's): per KV tile its query tiles, first to last, so the
     lists are (B', H', tiles_n[, tiles_m]); dq_turn then int32 (B', H', tiles_n,
     tiles_m): how many KV tiles before n visit query tile m, the turn at which KV tile n
-    adds its dQ there in the deterministic backward (None in a forward mask)."""
+    adds its dQ there in the deterministic backward (None in a forward mask). A varlen
+    mask (cu_seqlens set) has a row per sequence, tiles counted within the sequence and
+    sized by the longest one; tiles past a shorter sequence's end are EMPTY."""
 
     partial_count: torch.Tensor
     partial_idx: torch.Tensor
@@ -66,6 +69,10 @@ class BlockMask(NamedTuple):
     mod_key: tuple
     transposed: bool = False
     dq_turn: Optional[torch.Tensor] = None
+    # a packed varlen batch's mask (build_varlen_block_mask): the (cu_seqlens_q,
+    # cu_seqlens_k) values it was built for, as tuples; batch is then the number of
+    # sequences and seqlen_q / seqlen_k the longest ones. None: a dense batch's
+    cu_seqlens: Optional[tuple] = None
 
     def kernel_tensors(self):
         """The four lists expanded to (batch, heads, ...) (stride 0 where B' or H' is 1)."""
@@ -121,31 +128,23 @@ def _lists(classes: torch.Tensor, cls: int, descending: bool):
     return count, order.to(torch.int32)
 
 
-@torch.no_grad()
-def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int,
-                     device=None, transposed: bool = False) -> BlockMask:
-    """Classify every tile of mask_mod (a masks.Modifier or a plain function) at this
-    shape, on device (the aux tensors' device by default), and return its tile lists
-    (transposed: the backward's, per KV tile)."""
-    mod = Modifier.of("mask", mask_mod)
-    if min(batch, heads, seqlen_q, seqlen_k) < 0 or min(tile_m, tile_n) < 1:
-        raise ValueError(f"bad block-mask shape {(batch, heads, seqlen_q, seqlen_k)} / tile {(tile_m, tile_n)}")
-    if device is None:
-        device = mod.aux[0].device if mod.aux else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    seq = SeqInfo(tuple(t.to(device) for t in mod.aux), seqlen_q, seqlen_k, 0, 0)
+def _classify(mod: Modifier, b: torch.Tensor, h: torch.Tensor, seq: SeqInfo, tile_m: int, tile_n: int) -> torch.Tensor:
+    """int8 (len(b), len(h), tiles_m, tiles_n) classes of one (dense batch, or one packed
+    sequence) at seq's lengths, the mod called with global indices (seq's offsets added),
+    a chunk of query tiles at a time."""
+    seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+    nb, nh = b.shape[0], h.shape[1]
+    device = b.device
     tiles_m, tiles_n = math.ceil(seqlen_q / tile_m), math.ceil(seqlen_k / tile_n)
-    by_b, by_h = _depends(mod, max(batch, 1), max(heads, 1), seq, device) if seqlen_q and seqlen_k else (False, False)
-    nb, nh = (batch if by_b else 1), (heads if by_h else 1)
-    b = torch.arange(nb, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(nh, device=device).view(1, -1, 1, 1)
-    kv_idx = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    kv_idx = torch.arange(seq.offset_k, seq.offset_k + seqlen_k, device=device).view(1, 1, 1, -1)
     classes = torch.zeros(nb, nh, tiles_m, tiles_n, dtype=torch.int8, device=device)
     pad_k = tiles_n * tile_n - seqlen_k
     tiles_per_chunk = max(1, _CHUNK_PAIRS // max(1, nb * nh * tile_m * tiles_n * tile_n))
     for m0 in range(0, tiles_m, tiles_per_chunk):
         m1 = min(tiles_m, m0 + tiles_per_chunk)
         rows = min(m1 * tile_m, seqlen_q) - m0 * tile_m
-        q_idx = torch.arange(m0 * tile_m, m0 * tile_m + rows, device=device).view(1, 1, -1, 1)
+        first = seq.offset_q + m0 * tile_m
+        q_idx = torch.arange(first, first + rows, device=device).view(1, 1, -1, 1)
         visible = mod(b, h, q_idx, kv_idx, seq=seq)
         if not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool:
             raise TypeError(f"mask_mod {mod.name!r} must return a bool tensor, got "
@@ -163,6 +162,11 @@ def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: 
         # length that is not a multiple of tile_n cannot be FULL
         last = classes[..., -1]
         last[last == FULL] = PARTIAL
+    return classes
+
+
+def _from_classes(classes, mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, transposed, cu_seqlens=None):
+    """The BlockMask of (B', H', tiles_m, tiles_n) classes (see BlockMask)."""
     dq_turn = None
     if transposed:
         classes = classes.transpose(-1, -2)
@@ -172,7 +176,62 @@ def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: 
     partial_count, partial_idx = _lists(classes, PARTIAL, descending=not transposed)
     full_count, full_idx = _lists(classes, FULL, descending=not transposed)
     return BlockMask(partial_count, partial_idx, full_count, full_idx, batch, heads, seqlen_q, seqlen_k,
-                     tile_m, tile_n, mod.key, transposed, dq_turn)
+                     tile_m, tile_n, mod.key, transposed, dq_turn, cu_seqlens)
+
+
+@torch.no_grad()
+def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int,
+                     device=None, transposed: bool = False) -> BlockMask:
+    """Classify every tile of mask_mod (a masks.Modifier or a plain function) at this
+    shape, on device (the aux tensors' device by default), and return its tile lists
+    (transposed: the backward's, per KV tile)."""
+    mod = Modifier.of("mask", mask_mod)
+    if min(batch, heads, seqlen_q, seqlen_k) < 0 or min(tile_m, tile_n) < 1:
+        raise ValueError(f"bad block-mask shape {(batch, heads, seqlen_q, seqlen_k)} / tile {(tile_m, tile_n)}")
+    if device is None:
+        device = mod.aux[0].device if mod.aux else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seq = SeqInfo(tuple(t.to(device) for t in mod.aux), seqlen_q, seqlen_k, 0, 0)
+    by_b, by_h = _depends(mod, max(batch, 1), max(heads, 1), seq, device) if seqlen_q and seqlen_k else (False, False)
+    nb, nh = (batch if by_b else 1), (heads if by_h else 1)
+    b = torch.arange(nb, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(nh, device=device).view(1, -1, 1, 1)
+    classes = _classify(mod, b, h, seq, tile_m, tile_n)
+    return _from_classes(classes, mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, transposed)
+
+
+@torch.no_grad()
+def build_varlen_block_mask(mask_mod, cu_seqlens_q, cu_seqlens_k, heads: int, tile_m: int, tile_n: int,
+                            device=None, transposed: bool = False) -> BlockMask:
+    """The block mask of a packed varlen batch (mha_varlen): per sequence b its own tiles,
+    classified with the indices the kernel gives the mod (global: the sequence's offset
+    added; b the sequence's index; seq.seqlen_q / seqlen_k its lengths). cu_seqlens_q /
+    _k: the batch's offsets (tensors or sequences; tensors are read to the host once
+    here). Rows are sized by the longest sequence."""
+    mod = Modifier.of("mask", mask_mod)
+    offsets_q, offsets_k = (tuple(int(x) for x in (c.tolist() if isinstance(c, torch.Tensor) else c))
+                            for c in (cu_seqlens_q, cu_seqlens_k))
+    if len(offsets_q) != len(offsets_k) or len(offsets_q) < 1 or heads < 0 or min(tile_m, tile_n) < 1:
+        raise ValueError(f"bad varlen block-mask arguments: {len(offsets_q)} and {len(offsets_k)} offsets, "
+                         f"heads {heads}, tile {(tile_m, tile_n)}")
+    if device is None:
+        device = cu_seqlens_q.device if isinstance(cu_seqlens_q, torch.Tensor) else \
+            (mod.aux[0].device if mod.aux else torch.device("cpu"))
+    aux = tuple(t.to(device) for t in mod.aux)
+    batch = len(offsets_q) - 1
+    lengths = [(offsets_q[i + 1] - offsets_q[i], offsets_k[i + 1] - offsets_k[i]) for i in range(batch)]
+    seqlen_q, seqlen_k = max((lq for lq, _ in lengths), default=0), max((lk for _, lk in lengths), default=0)
+    seqs = [SeqInfo(aux, lq, lk, offsets_q[i], offsets_k[i]) for i, (lq, lk) in enumerate(lengths)]
+    live = [i for i, (lq, lk) in enumerate(lengths) if lq and lk]
+    by_h = bool(live) and _depends(mod, 1, max(heads, 1), seqs[live[0]], device)[1]
+    nh = heads if by_h else 1
+    h = torch.arange(nh, device=device).view(1, -1, 1, 1)
+    classes = torch.zeros(batch, nh, math.ceil(seqlen_q / tile_m), math.ceil(seqlen_k / tile_n), dtype=torch.int8,
+                          device=device)
+    for i in live:  # an empty sequence's row stays EMPTY
+        c = _classify(mod, torch.full((1, 1, 1, 1), i, device=device), h, seqs[i], tile_m, tile_n)
+        classes[i:i + 1, :, :c.shape[2], :c.shape[3]] = c
+    return _from_classes(classes, mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, transposed,
+                         (offsets_q, offsets_k))
 
 
 _cache: "OrderedDict[tuple, BlockMask]" = OrderedDict()
@@ -207,10 +266,89 @@ def check_block_mask(block_mask: BlockMask, mod: Modifier, batch, heads, seqlen_
     if got != want:
         raise ValueError(f"block_mask was built for (batch, heads, seqlen_q, seqlen_k, tile_m, tile_n) = {got}, "
                          f"this call needs {want}")
+    if block_mask.cu_seqlens is not None:
+        raise ValueError("block_mask was built for a packed varlen batch (create_varlen_block_mask): pass it to "
+                         "mha_varlen")
+    _check_kind(block_mask, mod)
+
+
+def _check_kind(block_mask: BlockMask, mod: Modifier):
     if block_mask.transposed:
-        raise ValueError("block_mask is a backward (transposed) block mask; pass the forward's (create_block_mask)")
+        raise ValueError("block_mask is a backward (transposed) block mask; pass the forward's")
     if block_mask.mod_key != mod.key:
         raise ValueError(f"block_mask was built for another mask mod than {mod.name!r}")
+
+
+class _SameTensors:
+    """The identity of live tensors and their versions, for caches keyed by what a call
+    passed: equal only while the very same tensor objects are alive and unmodified (a
+    data pointer is not enough: a freed tensor's memory is handed to the next one)."""
+
+    def __init__(self, tensors):
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.versions = tuple(t._version for t in tensors)
+
+    def hold(self, tensors) -> bool:
+        return len(tensors) == len(self.refs) and all(
+            r() is t and t._version == v for r, t, v in zip(self.refs, tensors, self.versions))
+
+
+# (mod key, heads, tiles, device, transposed, ids of the offsets and aux tensors) ->
+# (_SameTensors, BlockMask); ids are unique among live objects, and the entry checks
+# that its tensors are the ones alive
+_varlen_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+def cached_varlen_block_mask(mod: Modifier, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: int,
+                             tile_m: int, tile_n: int, transposed: bool = False) -> BlockMask:
+    """build_varlen_block_mask, remembered while the same offset and aux tensors live
+    unmodified: a model passing one cu_seqlens (and one doc-id tensor) to every layer
+    reads the offsets to the host and builds once per batch."""
+    tensors = (cu_seqlens_q, cu_seqlens_k, *mod.aux)
+    key = (mod.key, heads, tile_m, tile_n, str(cu_seqlens_q.device), transposed, tuple(id(t) for t in tensors))
+    found = _varlen_cache.get(key)
+    if found is not None and found[0].hold(tensors):
+        _varlen_cache.move_to_end(key)
+        return found[1]
+    block_mask = build_varlen_block_mask(mod, cu_seqlens_q, cu_seqlens_k, heads, tile_m, tile_n,
+                                         transposed=transposed)
+    _varlen_cache[key] = (_SameTensors(tensors), block_mask)
+    if len(_varlen_cache) > _CACHE_SIZE:
+        _varlen_cache.popitem(last=False)
+    return block_mask
+
+
+# id(user's varlen BlockMask) -> (_SameTensors of (its partial_count, the call's offsets)):
+# a mask checked against these offsets once is not read back again
+_varlen_checked: "OrderedDict[int, _SameTensors]" = OrderedDict()
+
+
+def check_varlen_block_mask(block_mask: BlockMask, mod: Modifier, cu_seqlens_q: torch.Tensor,
+                            cu_seqlens_k: torch.Tensor, heads: int, tile_m: int, tile_n: int):
+    """A user's varlen block mask must be this mask's, for these offsets (its tile lists
+    are per sequence: other lengths would send the kernel past them) and the kernel's
+    tiles. The offsets are read to the host once per (mask, offset tensors, version)."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cute_attn.BlockMask (create_varlen_block_mask), got "
+                        f"{type(block_mask).__name__}")
+    if block_mask.cu_seqlens is None:
+        raise ValueError("block_mask was built for a dense batch (create_block_mask); mha_varlen needs "
+                         "create_varlen_block_mask's")
+    _check_kind(block_mask, mod)
+    if (block_mask.heads, block_mask.tile_m, block_mask.tile_n) != (heads, tile_m, tile_n):
+        raise ValueError(f"block_mask was built for (heads, tile_m, tile_n) = "
+                         f"{(block_mask.heads, block_mask.tile_m, block_mask.tile_n)}, this call needs "
+                         f"{(heads, tile_m, tile_n)}")
+    tensors = (block_mask.partial_count, cu_seqlens_q, cu_seqlens_k)
+    seen = _varlen_checked.get(id(block_mask))
+    if seen is not None and seen.hold(tensors):
+        return
+    offsets = tuple(tuple(c.tolist()) for c in (cu_seqlens_q, cu_seqlens_k))
+    if offsets != block_mask.cu_seqlens:
+        raise ValueError("block_mask was built for other cu_seqlens than this call's")
+    _varlen_checked[id(block_mask)] = _SameTensors(tensors)
+    if len(_varlen_checked) > _CACHE_SIZE:
+        _varlen_checked.popitem(last=False)
 
 
 def create_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, head_dim: int = 128,
@@ -223,3 +361,16 @@ def create_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k:
     mod = Modifier.of("mask", mask_mod, aux_tensors)
     cfg = mod_fwd_config_for(head_dim)
     return build_block_mask(mod, batch, heads, seqlen_q, seqlen_k, cfg.tile_m, cfg.tile_n, device)
+
+
+def create_varlen_block_mask(mask_mod, cu_seqlens_q, cu_seqlens_k, heads: int, *, head_dim: int = 128,
+                             aux_tensors=(), device=None) -> BlockMask:
+    """The block mask mha_varlen(mask_mod=...) needs for this packed batch (its offsets)
+    and head dim: build it once per batch of lengths and pass it to every layer as
+    block_mask= (mha_varlen checks it against the call's offsets once). Without it
+    mha_varlen builds one per new (mask, offsets) and caches it."""
+    from cute_attn.config import mod_fwd_config_for
+
+    mod = Modifier.of("mask", mask_mod, aux_tensors)
+    cfg = mod_fwd_config_for(head_dim)
+    return build_varlen_block_mask(mod, cu_seqlens_q, cu_seqlens_k, heads, cfg.tile_m, cfg.tile_n, device)

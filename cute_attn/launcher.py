@@ -575,15 +575,16 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
     None (their specs are features'), block_mask a block_mask.BlockMask for mask_mod at
     this shape (None: built once per (mask, shape) and cached), sink float32 (heads,)
     logits when features.sink (args then may carry a mask kind's window and a softcap).
-    Packed varlen inputs (features.varlen) carry a sink and/or dropout, no mods.
-    Returns (out, lse)."""
+    Packed varlen inputs (features.varlen): block_mask per sequence (block_mask.
+    create_varlen_block_mask). Returns (out, lse)."""
     head_dim = q.shape[-1]
     config = fwd_config_for(head_dim, features)  # the mods' tiles (the block mask's), or a sink's dense ones
     fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config))
     out, lse = _outputs(q, features, need_lse)
     q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
     out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
-    lists, aux = _mod_arguments(q4, k4, config.tile_m, config.tile_n, mask_mod, score_mod, block_mask)
+    lists, aux = _mod_arguments(q4, k4, config.tile_m, config.tile_n, mask_mod, score_mod, block_mask,
+                                varlen=args if features.varlen else None)
     if sink is None:
         sink = _placeholder(q.device, (1,)).view(torch.float32)
     fn(q4, k4, v4, out4, lse3, cu_q, cu_k, *lists, aux, sink, *_dropout_arguments(q.device, args),
@@ -591,16 +592,25 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
     return out, (lse if need_lse else None)
 
 
-def _mod_arguments(q, k, tile_m, tile_n, mask_mod, score_mod, block_mask=None, transposed=False):
+def _mod_arguments(q, k, tile_m, tile_n, mask_mod, score_mod, block_mask=None, transposed=False, varlen=None):
     """The mod kernels' block-mask lists (block_mask checked, or built and cached at these
     tiles; transposed for the backward, with its dQ turns as a fifth) and aux tensors
-    (the mask mod's first)."""
+    (the mask mod's first). varlen: the RunArgs of a packed batch (q, k as the kernels
+    take it, (1, total, ...)): the lists are then per sequence."""
     from cute_attn import block_mask as bm
 
     batch, seqlen_q, heads = q.shape[:3]
     seqlen_k = k.shape[1]
+    if varlen is not None:
+        batch = varlen.cu_seqlens_q.shape[0] - 1
     if mask_mod is not None:
-        if block_mask is None:
+        if varlen is not None:
+            cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+            if block_mask is None:
+                block_mask = bm.cached_varlen_block_mask(mask_mod, cu_q, cu_k, heads, tile_m, tile_n, transposed)
+            else:
+                bm.check_varlen_block_mask(block_mask, mask_mod, cu_q, cu_k, heads, tile_m, tile_n)
+        elif block_mask is None:
             block_mask = bm.cached_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, q.device,
                                               transposed)
         else:
@@ -1086,7 +1096,7 @@ def run_bwd(
     """Gradients (dq, dk, dv) of the forward that produced (out, lse), each laid out like
     its input. dout must be TMA-addressable like q (validation.prepare_dout). features and
     args as for run_fwd; mods: (mask_mod, score_mod) masks.Modifier or None, as for
-    run_fwd_mods (dense inputs); the backward's block mask (with its dQ turns) is built
+    run_fwd_mods (dense or varlen inputs); the backward's block mask (with its dQ turns) is built
     and cached here. sink: the forward's (heads,) float32 sink logits, whose gradient is
     then returned too: (dq, dk, dv, dsink)."""
     head_dim = q.shape[-1]
@@ -1128,7 +1138,8 @@ def run_bwd(
         main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, args.max_seqlen_k,
              args.softmax_scale, args.softcap, args.window[0], args.window[1])
     else:  # mods and/or dropout (a sink alone was dropped above: the dense kernel serves)
-        lists, aux = _mod_arguments(q, k, config.tile_m, config.tile_n, *(mods or (None, None)), transposed=True)
+        lists, aux = _mod_arguments(q, k, config.tile_m, config.tile_n, *(mods or (None, None)), transposed=True,
+                                    varlen=args if features.varlen else None)
         main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, *lists, aux,
              *_dropout_arguments(q.device, args), args.max_seqlen_k, args.softmax_scale, args.softcap,
              args.window[0], args.window[1])

@@ -26,11 +26,12 @@ from cute_attn.masks import Modifier, SeqInfo
 from cute_attn.validation import validate_gqa_heads
 
 
-def index_grids(batch, heads, seqlen_q, seqlen_k, device=None, offset_q=0, offset_k=0):
+def index_grids(batch, heads, seqlen_q, seqlen_k, device=None, offset_q=0, offset_k=0, first_batch=0):
     """The broadcast index tensors (b, h, q_idx, kv_idx) of shapes (B,1,1,1), (1,H,1,1),
     (1,1,Q,1), (1,1,1,K), int64: what mask and score mods are called with. The offsets
-    make the indices global (a packed sequence's first token in the packed batch)."""
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    make the indices global (a packed sequence's first token in the packed batch), and
+    b counts from first_batch (a packed sequence's index in its batch)."""
+    b = torch.arange(first_batch, first_batch + batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
     q_idx = torch.arange(offset_q, offset_q + seqlen_q, device=device).view(1, 1, -1, 1)
     kv_idx = torch.arange(offset_k, offset_k + seqlen_k, device=device).view(1, 1, 1, -1)
@@ -44,7 +45,7 @@ def seq_info(mod: Modifier, seqlen_q, seqlen_k, offset_q=0, offset_k=0, device=N
     return SeqInfo(aux, seqlen_q, seqlen_k, offset_q, offset_k)
 
 
-def dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device=None, offset_q=0, offset_k=0):
+def dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device=None, offset_q=0, offset_k=0, first_batch=0):
     """Bool (batch, heads, seqlen_q, seqlen_k): mask_mod evaluated on every index tuple.
 
     mask_mod: a masks.Modifier or a plain (b, h, q_idx, kv_idx[, seq]) function. It is
@@ -52,7 +53,7 @@ def dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device=None, offset_q
     the full shape (a mod that ignores b or h may return fewer dims).
     """
     mod = Modifier.of("mask", mask_mod)
-    grids = index_grids(batch, heads, seqlen_q, seqlen_k, device, offset_q, offset_k)
+    grids = index_grids(batch, heads, seqlen_q, seqlen_k, device, offset_q, offset_k, first_batch)
     visible = mod(*grids, seq=seq_info(mod, seqlen_q, seqlen_k, offset_q, offset_k, device))
     if not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool:
         raise TypeError(
@@ -63,7 +64,7 @@ def dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device=None, offset_q
 
 
 def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=None, offset_q=0, offset_k=0,
-                      sink=None, dropout_keep=None, dropout_p=0.0):
+                      sink=None, dropout_keep=None, dropout_p=0.0, first_batch=0):
     """Return (out, lse) of softmax(mask(score_mod(scale * q k^T))) v in float32.
 
     As in FlexAttention, score_mod sees the scaled score and the indices (query head h);
@@ -71,7 +72,8 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     h // (heads // heads_kv). A query that sees no key (masked out, or every visible
     score -inf) gets out = 0 and lse = -inf, and autograd gives it finite, zero
     gradients: nothing on the way is exp(-inf - -inf), log(0) or 0 / 0. offset_q,
-    offset_k: the entry's place in a packed batch (the mods see global indices).
+    offset_k, first_batch: the entry's place in a packed batch (the mods see global
+    indices and the sequence's index as b; attention_ref_varlen_mod passes them).
     sink: (heads,) attention-sink logits, one more term e^sink in each row's denominator
     (a key with a zero value vector that every query sees; differentiable).
     dropout_keep: bool (batch, heads, seqlen_q, seqlen_k), the pairs dropout keeps
@@ -90,10 +92,10 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if score_mod is not None:
         mod = Modifier.of("score", score_mod)
-        grids = index_grids(batch, heads, sq, sk, q.device, offset_q, offset_k)
+        grids = index_grids(batch, heads, sq, sk, q.device, offset_q, offset_k, first_batch)
         scores = mod(scores, *grids, seq=seq_info(mod, sq, sk, offset_q, offset_k, q.device))
     if mask_mod is not None:
-        visible = dense_mask(mask_mod, batch, heads, sq, sk, q.device, offset_q, offset_k)
+        visible = dense_mask(mask_mod, batch, heads, sq, sk, q.device, offset_q, offset_k, first_batch)
         scores = scores.masked_fill(~visible, float("-inf"))
     if sink is not None:
         sink_col = sink.float()[None, :, None, None].expand(batch, heads, sq, 1)
@@ -127,6 +129,25 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
 # ----------------------------------------------------------------------------------------
 # Block masks
 # ----------------------------------------------------------------------------------------
+
+
+def attention_ref_varlen_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """attention_ref_mod over a packed batch (mha_varlen's layout: q (total_q, heads, d),
+    k, v (total_k, heads_kv, d)), one sequence at a time with the indices the kernels give
+    the mods (global, b = the sequence's index). Returns (out (total_q, heads, d), lse
+    (heads, total_q)) in float32; rows of a sequence without keys get 0 and -inf."""
+    offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out = q.new_zeros(q.shape, dtype=torch.float32)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    for b in range(len(offsets_q) - 1):
+        rq, rk = slice(offsets_q[b], offsets_q[b + 1]), slice(offsets_k[b], offsets_k[b + 1])
+        if rq.start == rq.stop or rk.start == rk.stop:
+            continue
+        o, l = attention_ref_mod(q[rq][None], k[rk][None], v[rk][None], offset_q=rq.start, offset_k=rk.start,
+                                 first_batch=b, **kwargs)
+        out[rq] = o[0]
+        lse[:, rq] = l[0]
+    return out, lse
 
 
 def block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device=None):

@@ -25,12 +25,13 @@ through `register_autograd`:
                         Tensor? dropout_seed, float dropout_p, str mods, <the six>)
                         -> (dq, dk, dv, dsink)
     cute_attn::fwd_varlen_mods(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, Tensor? sink, Tensor? dropout_seed,
-                               float dropout_p, <the six>) -> (out, lse)
+                               max_seqlen_k, Tensor[] aux, Tensor? sink,
+                               Tensor? dropout_seed, float dropout_p, str mods,
+                               <the six>) -> (out, lse)
     cute_attn::bwd_varlen_mods(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                               max_seqlen_q, max_seqlen_k, Tensor? sink,
-                               Tensor? dropout_seed, float dropout_p, <the six>)
-                               -> (dq, dk, dv, dsink)
+                               max_seqlen_q, max_seqlen_k, Tensor[] aux, Tensor? sink,
+                               Tensor? dropout_seed, float dropout_p, str mods,
+                               <the six>) -> (dq, dk, dv, dsink)
 
 The mods' ops (mask/score mods, attention sinks) name their mods by the digests of their
 specs, "mask/score" ("" for none): a mod is a compile-time constant of its kernel, not a
@@ -40,7 +41,9 @@ first). block_mask is a BlockMask's four lists (checked against the call while t
 or empty (the launcher builds and caches one); sink the (heads,) float32 logits or None;
 bwd_mods returns the sink's gradient (empty without a sink: an op returns no None);
 dropout_seed the Philox key (int32 (2,)) with dropout_p > 0, else None. The varlen mods'
-ops carry a sink and dropout for packed batches (mha_varlen takes no mods yet).
+ops take no block mask: their real implementations build (and cache) the per-sequence one
+from the offsets they receive, which a traced call cannot read (attention_mods refuses a
+user's block_mask there).
 
 The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
 builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
@@ -257,27 +260,29 @@ def _mods_backward(dout, q, k, v, out, lse, features, run_args, deterministic, m
 
 
 def _fwd_varlen_mods_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                          max_seqlen_q: int, max_seqlen_k: int, sink: Optional[Tensor], dropout_seed: Optional[Tensor],
-                          dropout_p: float, mask: str, softmax_scale: float, softcap: float, window_left: int,
-                          window_right: int, deterministic: bool) -> tuple[Tensor, Tensor]:
-    """(out, lse) of a validated packed batch with a sink and/or dropout; lse (heads, total_q)."""
+                          max_seqlen_q: int, max_seqlen_k: int, aux: list[Tensor], sink: Optional[Tensor],
+                          dropout_seed: Optional[Tensor], dropout_p: float, mods: str, mask: str,
+                          softmax_scale: float, softcap: float, window_left: int, window_right: int,
+                          deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a validated packed batch with mods, a sink and/or dropout; lse
+    (heads, total_q). A mask mod's block mask is built here, per sequence."""
     _check_pointers("q", q, "k", k, "v", v)
-    features, run_args, _, _ = _unpack_mods("/", [], sink, dropout_seed, dropout_p, mask, softmax_scale, softcap,
-                                            window_left, window_right,
-                                            (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return api._launcher().run_fwd_mods(q, k, v, features, run_args, None, None, sink=sink)
+    features, run_args, mask_mod, score_mod = _unpack_mods(
+        mods, aux, sink, dropout_seed, dropout_p, mask, softmax_scale, softcap, window_left, window_right,
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return api._launcher().run_fwd_mods(q, k, v, features, run_args, mask_mod, score_mod, sink=sink)
 
 
 def _bwd_varlen_mods_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                          sink: Optional[Tensor], dropout_seed: Optional[Tensor], dropout_p: float, mask: str,
-                          softmax_scale: float, softcap: float, window_left: int, window_right: int,
-                          deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                          aux: list[Tensor], sink: Optional[Tensor], dropout_seed: Optional[Tensor], dropout_p: float,
+                          mods: str, mask: str, softmax_scale: float, softcap: float, window_left: int,
+                          window_right: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsink) of fwd_varlen_mods's (out, lse); dsink empty without a sink."""
-    features, run_args, _, _ = _unpack_mods("/", [], sink, dropout_seed, dropout_p, mask, softmax_scale, softcap,
-                                            window_left, window_right,
-                                            (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return _mods_backward(dout, q, k, v, out, lse, features, run_args, deterministic, None, sink)
+    features, run_args, mask_mod, score_mod = _unpack_mods(
+        mods, aux, sink, dropout_seed, dropout_p, mask, softmax_scale, softcap, window_left, window_right,
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _mods_backward(dout, q, k, v, out, lse, features, run_args, deterministic, (mask_mod, score_mod), sink)
 
 
 # The ops run their real implementations on CUDA tensors only (the CPU tests register
@@ -339,8 +344,8 @@ def _(q, k, v, aux, block_mask, sink, dropout_seed, dropout_p, mods, mask, softm
 
 
 @fwd_varlen_mods.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, dropout_seed, dropout_p, mask,
-      softmax_scale, softcap, window_left, window_right, deterministic):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, aux, sink, dropout_seed, dropout_p, mods,
+      mask, softmax_scale, softcap, window_left, window_right, deterministic):
     total_q, heads, _ = q.shape
     return _fake_out(q), q.new_empty((heads, total_q), dtype=torch.float32)
 
@@ -366,8 +371,8 @@ def _(dout, q, k, v, out, lse, aux, sink, dropout_seed, dropout_p, mods, *six):
 
 
 @bwd_varlen_mods.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, dropout_seed,
-      dropout_p, *six):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, aux, sink, dropout_seed,
+      dropout_p, mods, *six):
     dsink = lse.new_empty(0) if sink is None else torch.empty_like(sink)
     return (*_fake_grads(dout, q, k, v), dsink)
 
@@ -431,24 +436,26 @@ def _backward_fwd_mods(ctx, dout, _dlse):
     return (dq, dk, dv, no_aux, no_lists, dsink, None) + (None,) * len(ctx.params)
 
 
-_VARLEN_MODS_TENSORS = 8  # q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink; then the rest
+_VARLEN_MODS_TENSORS = 9  # q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, aux, sink; then the rest
 
 
 def _setup_fwd_varlen_mods(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, sink, dropout_seed = inputs[:_VARLEN_MODS_TENSORS + 1]
+    q, k, v, cu_q, cu_k, max_q, max_k, aux, sink, dropout_seed = inputs[:_VARLEN_MODS_TENSORS + 1]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sink, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sink, dropout_seed, *aux)
     ctx.maxima = (max_q, max_k)
     ctx.params = inputs[_VARLEN_MODS_TENSORS + 1:]
+    ctx.num_aux = len(aux)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_fwd_varlen_mods(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, sink, dropout_seed = ctx.saved_tensors
-    want_sink = sink is not None and ctx.needs_input_grad[7]
-    dq, dk, dv, dsink = bwd_varlen_mods(prepare_dout(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.maxima,
+    q, k, v, out, lse, cu_q, cu_k, sink, dropout_seed, *aux = ctx.saved_tensors
+    want_sink = sink is not None and ctx.needs_input_grad[8]
+    dq, dk, dv, dsink = bwd_varlen_mods(prepare_dout(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.maxima, aux,
                                         sink if want_sink else None, dropout_seed, *ctx.params)
-    return (dq, dk, dv, None, None, None, None, dsink if want_sink else None, None) + (None,) * len(ctx.params)
+    return (dq, dk, dv, None, None, None, None, [None] * ctx.num_aux, dsink if want_sink else None, None) \
+        + (None,) * len(ctx.params)
 
 
 fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
@@ -490,9 +497,15 @@ def attention_mods(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_
     from cute_attn import block_mask as bm
     from cute_attn.config import mod_fwd_config_for
 
-    if features.varlen:  # a sink and/or dropout (mha_varlen takes no mods)
+    mods = "/".join("" if m is None else m.spec.digest for m in (mask_mod, score_mod))
+    aux = [t for m in (mask_mod, score_mod) if m is not None for t in m.aux]
+    if features.varlen:
+        if block_mask is not None:
+            raise NotImplementedError("mha_varlen's block_mask cannot be checked against the offsets while traced "
+                                      "(their values are not known): pass block_mask=None under torch.compile; the "
+                                      "op builds and caches the per-sequence block mask itself")
         return fwd_varlen_mods(q, k, v, run_args.cu_seqlens_q, run_args.cu_seqlens_k, run_args.max_seqlen_q,
-                               run_args.max_seqlen_k, sink, run_args.dropout_seed, run_args.dropout_p,
+                               run_args.max_seqlen_k, aux, sink, run_args.dropout_seed, run_args.dropout_p, mods,
                                *_pack(features, run_args), deterministic)
     lists = []
     if block_mask is not None:
@@ -500,7 +513,5 @@ def attention_mods(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_
         bm.check_block_mask(block_mask, mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1], config.tile_m,
                             config.tile_n)
         lists = [block_mask.partial_count, block_mask.partial_idx, block_mask.full_count, block_mask.full_idx]
-    mods = "/".join("" if m is None else m.spec.digest for m in (mask_mod, score_mod))
-    aux = [t for m in (mask_mod, score_mod) if m is not None for t in m.aux]
     return fwd_mods(q, k, v, aux, lists, sink, run_args.dropout_seed, run_args.dropout_p, mods,
                     *_pack(features, run_args), deterministic)

@@ -117,6 +117,96 @@ def test_cached_block_mask_rebuilds_when_aux_changes():
     assert torch.equal(b.classes(), _kernel_view(reference_classes(mod, 1, 1, 30, 30, 8, 8), 30, 8))
 
 
+VARLEN_CASES = [
+    # (name, mod factory given the packed lengths, lengths_q, lengths_k)
+    ("document_packed", lambda lq: masks.document(torch.tensor([i % 3 // 2 + 2 * s for s, n in enumerate(lq)
+                                                                for i in range(n)]), causal=True),
+     [13, 0, 29, 7], [13, 0, 29, 7]),
+    ("causal_cross", lambda lq: masks.causal(), [5, 17, 1], [9, 40, 3]),
+    ("block_diffusion", lambda lq: masks.block_diffusion(3), [22, 9, 31], [22, 9, 31]),
+    ("prefix_lm_per_sequence", lambda lq: masks.prefix_lm([0, 4, 100]), [10, 12, 6], [10, 12, 6]),
+    ("per_head_window", lambda lq: masks.Modifier("mask", lambda b, h, q, kv, seq: (kv - seq.offset_k) >=
+                                                  (q - seq.offset_q) - 2 * (h + 1), (), "per_head_window"),
+     [11, 3], [11, 14]),
+]
+
+
+def _varlen_expected(mod, lengths_q, lengths_k, heads, tile):
+    """Per sequence, the dense reference's classes at its own lengths with its global
+    indices and index b, padded with EMPTY to the longest sequence's tiles."""
+    from cute_attn.mask_reference import dense_mask
+
+    tm, tn = tile
+    oq, ok = [0], [0]
+    for a, c in zip(lengths_q, lengths_k):
+        oq.append(oq[-1] + a)
+        ok.append(ok[-1] + c)
+    tiles_m, tiles_n = math.ceil(max(lengths_q) / tm), math.ceil(max(lengths_k) / tn)
+    out = torch.zeros(len(lengths_q), heads, tiles_m, tiles_n, dtype=torch.int8)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        if not (lq and lk):
+            continue
+        visible = dense_mask(mod, 1, heads, lq, lk, None, oq[b], ok[b], b)[0]
+        for m in range(math.ceil(lq / tm)):
+            for n in range(math.ceil(lk / tn)):
+                block = visible[:, m * tm:(m + 1) * tm, n * tn:(n + 1) * tn]
+                full = block.all(-1).all(-1) & ((n + 1) * tn <= lk)  # a cut last KV tile is never FULL
+                out[b, :, m, n] = torch.where(full, FULL, torch.where(block.any(-1).any(-1),
+                                                                                      PARTIAL, EMPTY))
+    return out, (tuple(oq), tuple(ok))
+
+
+@pytest.mark.parametrize("tile", [(4, 4), (8, 5), (128, 128)], ids=str)
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: c[0])
+def test_varlen_builder_matches_per_sequence_reference(case, tile):
+    """build_varlen_block_mask: each sequence's tiles classified at its own lengths with the
+    kernel's indices (global, b = the sequence), tiles past a shorter sequence EMPTY; the
+    backward's transposed lists and turns follow the same classes."""
+    name, make, lengths_q, lengths_k = case
+    heads = 3
+    mod = make(lengths_q)
+    cu_q, cu_k = (torch.tensor([0] + n).cumsum(0).to(torch.int32) for n in (lengths_q, lengths_k))
+    expected, offsets = _varlen_expected(mod, lengths_q, lengths_k, heads, tile)
+    built = bm.build_varlen_block_mask(mod, cu_q, cu_k, heads, *tile, device="cpu")
+    assert built.cu_seqlens == offsets and built.batch == len(lengths_q)
+    assert (built.seqlen_q, built.seqlen_k) == (max(lengths_q), max(lengths_k))
+    assert torch.equal(built.classes().expand(len(lengths_q), heads, -1, -1), expected)
+    back = bm.build_varlen_block_mask(mod, cu_q, cu_k, heads, *tile, device="cpu", transposed=True)
+    assert torch.equal(back.classes().expand(len(lengths_q), heads, -1, -1), expected)
+    turns = back.dq_turns()
+    for b in range(len(lengths_q)):
+        for h in range(heads):
+            for m in range(expected.shape[2]):
+                visitors = [n for n in range(expected.shape[3]) if expected[b, h, m, n] != EMPTY]
+                assert [int(turns[b, h, n, m]) for n in visitors] == list(range(len(visitors)))
+
+
+def test_varlen_block_mask_checks_and_cache():
+    mod = masks.causal()
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    built = bm.create_varlen_block_mask(mod, cu, cu, 2, head_dim=64)
+    cfg = __import__("cute_attn.config", fromlist=["x"]).mod_fwd_config_for(64)
+    bm.check_varlen_block_mask(built, mod, cu, cu, 2, cfg.tile_m, cfg.tile_n)  # passes
+    with pytest.raises(ValueError, match="other cu_seqlens"):
+        other = torch.tensor([0, 11, 30], dtype=torch.int32)
+        bm.check_varlen_block_mask(built, mod, other, other, 2, cfg.tile_m, cfg.tile_n)
+    with pytest.raises(ValueError, match=r"\(heads, tile_m, tile_n\)"):
+        bm.check_varlen_block_mask(built, mod, cu, cu, 3, cfg.tile_m, cfg.tile_n)
+    with pytest.raises(ValueError, match="another mask mod"):
+        bm.check_varlen_block_mask(built, masks.block_diffusion(2), cu, cu, 2, cfg.tile_m, cfg.tile_n)
+    with pytest.raises(ValueError, match="pass it to mha_varlen"):
+        bm.check_block_mask(built, mod, 2, 2, 20, 20, cfg.tile_m, cfg.tile_n)
+    dense = bm.create_block_mask(mod, 2, 2, 20, 20, head_dim=64)
+    with pytest.raises(ValueError, match="create_varlen_block_mask"):
+        bm.check_varlen_block_mask(dense, mod, cu, cu, 2, cfg.tile_m, cfg.tile_n)
+    # the cache: the same live offset tensors give the same mask; an in-place write a new one
+    a = bm.cached_varlen_block_mask(mod, cu, cu, 2, 8, 8)
+    assert bm.cached_varlen_block_mask(mod, cu, cu, 2, 8, 8) is a
+    cu[1] = 12
+    b = bm.cached_varlen_block_mask(mod, cu, cu, 2, 8, 8)
+    assert b is not a and b.cu_seqlens == ((0, 12, 30), (0, 12, 30))
+
+
 def _cpu_qkv(dtype=torch.bfloat16):
     """CPU tensors that report cuda:0 (validation reads only .device)."""
     return tuple(fake_cuda(torch.randn(1, 64, 2, 64, dtype=dtype)) for _ in range(3))

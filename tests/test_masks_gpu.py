@@ -506,6 +506,90 @@ def test_varlen_sink_and_dropout_forward_and_backward(name):
         _check_dsink(grads[3], g32, glp, formula32, formula_own)
 
 
+# Packed sequences (mha_varlen) with mask/score mods: each sequence against the fp32
+# reference of that sequence alone, with the mod seeing what the kernels give it (global
+# indices, b = the sequence's index, the sequence's offsets): _at_sequence. Self-attention
+# lengths for the masks that need them (documents over the packed tokens, BD3LM halves per
+# sequence); a cross-attention batch for causal + ALiBi; empty sequences in both.
+VARLEN_MOD_SELF = [1, 130, 0, 519, 77, 301]
+VARLEN_MOD_CROSS = ([1, 130, 0, 519, 77, 6], [1, 200, 33, 519, 64, 0])
+
+
+def _varlen_mod_cases():
+    packed_ids = lambda: torch.cat([_doc_ids(1, n, 3 + i, mean_len=60)[0] + 1000 * i  # noqa: E731
+                                    for i, n in enumerate(VARLEN_MOD_SELF)])
+    return {
+        "document_causal_packed": (lambda: (masks.document(packed_ids(), causal=True), None),
+                                   VARLEN_MOD_SELF, VARLEN_MOD_SELF),
+        "block_diffusion_5": (lambda: (masks.block_diffusion(5), None), VARLEN_MOD_SELF, VARLEN_MOD_SELF),
+        "causal_alibi_cross": (lambda: (masks.causal(), masks.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625],
+                                                                                  device="cuda"))),
+                               *VARLEN_MOD_CROSS),
+    }
+
+
+VARLEN_MOD_CASES = _varlen_mod_cases()
+
+
+def _at_sequence(mod, b, offset_q, offset_k):
+    """mod as a kernel applies it to packed sequence b, for a reference call on that
+    sequence alone (batch 1, indices from 0): global indices, b, the sequence's offsets."""
+    if mod is None:
+        return None
+    if mod.kind == "mask":
+        def at(b_, h, q, kv, seq):
+            return mod(b_ + b, h, q + offset_q, kv + offset_k, seq=seq._replace(offset_q=offset_q, offset_k=offset_k))
+    else:
+        def at(score, b_, h, q, kv, seq):
+            return mod(score, b_ + b, h, q + offset_q, kv + offset_k,
+                       seq=seq._replace(offset_q=offset_q, offset_k=offset_k))
+    return masks.Modifier(mod.kind, at, mod.aux, f"{mod.name}_at_{b}")
+
+
+@pytest.mark.parametrize("name", list(VARLEN_MOD_CASES))
+def test_varlen_mods_forward_and_backward(name):
+    """mha_varlen with mask/score mods: out, lse, dq, dk, dv of every sequence against its
+    own fp32 reference (the error rule of _check / _check_grads), empty sequences' rows and
+    keys zero, outputs poisoned first; a block mask built once (create_varlen_block_mask)
+    gives the same out bit for bit, and one built for other offsets is refused."""
+    make, lengths_q, lengths_k = VARLEN_MOD_CASES[name]
+    mask_mod, score_mod = make()
+    h, h_kv, d = 4, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(len(name) + 11)
+    q, cu_q = _packed(lengths_q, h, d, gen)
+    k, cu_k = _packed(lengths_k, h_kv, d, gen)
+    v, _ = _packed(lengths_k, h_kv, d, gen)
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    kw = dict(mask_mod=mask_mod, score_mod=score_mod)
+    poison_allocator(q.numel() * q.element_size(), q.numel() // d * 4)
+    out, lse = cute_attn.mha_varlen(q, k, v, *args, return_lse=True, **kw)
+    assert out.shape == q.shape and lse.shape == (h, q.shape[0])
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=q.dtype)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(cute_attn.mha_varlen(*leaves, *args, **kw), leaves, dout)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        rq, rk = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
+        if lq == 0:
+            assert not grads[1][rk].any() and not grads[2][rk].any(), f"seq {b}: keys no query sees"
+            continue
+        if lk == 0:
+            assert not out[rq].any() and not grads[0][rq].any() and torch.isneginf(lse[:, rq]).all()
+            continue
+        at_mask, at_score = (_at_sequence(m, b, rq.start, rk.start) for m in (mask_mod, score_mod))
+        qb, kb, vb, db = (t[r][None] for t, r in ((q, rq), (k, rk), (v, rk), (dout, rq)))
+        _check(qb, kb, vb, out[rq][None], lse[:, rq][None], mask_mod=at_mask, score_mod=at_score)
+        _check_grads(qb, kb, vb, db, tuple(g[r][None] for g, r in zip(grads, (rq, rk, rk))), mask_mod=at_mask,
+                     score_mod=at_score)
+    if mask_mod is not None:
+        built = cute_attn.create_varlen_block_mask(mask_mod, cu_q, cu_k, h, head_dim=d)
+        again = cute_attn.mha_varlen(q, k, v, *args, block_mask=built, **kw)
+        assert torch.equal(again, out), "a prebuilt varlen block mask must give the same kernel work"
+        shifted = cu_q.clone()
+        shifted[1] += 1
+        with pytest.raises(ValueError, match="other cu_seqlens"):
+            cute_attn.mha_varlen(q, k, v, shifted, cu_k, *args[2:], block_mask=built, **kw)
+
+
 def test_varlen_dropout_equals_dense_batch():
     """Equal lengths packed: mha_varlen with dropout draws the dense batch's masks
     (sequence b = batch entry b), so out, dk and dv equal mha's bit for bit (dq sums by

@@ -39,7 +39,7 @@ class ModsStandIn:
         assert score_mod is None, "the stand-in's backward has no score-mod derivative"
         self.fwd_calls.append(dict(features=features, args=args, mask=mask_mod, block_mask=block_mask, sink=sink))
         if features.varlen:
-            return self._varlen_fwd(q, k, v, features, args, sink)
+            return self._varlen_fwd(q, k, v, features, args, sink, mask_mod)
         if block_mask is not None:
             config = __import__("cute_attn.config", fromlist=["x"]).mod_fwd_config_for(q.shape[-1])
             bm.check_block_mask(block_mask, mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
@@ -54,7 +54,7 @@ class ModsStandIn:
                 sink=None):
         self.bwd_calls.append(dict(features=features, mods=mods, sink=sink))
         if features.varlen:
-            return self._varlen_bwd(dout, q, k, v, out, lse, features, args, sink)
+            return self._varlen_bwd(dout, q, k, v, out, lse, features, args, sink, None if mods is None else mods[0])
         mask_mod = self._mask(features, None if mods is None else mods[0])
         grads = _grads_from_lse(dout, q, k, v, out, lse, args.softmax_scale, mask_mod, _keep(q, k, args),
                                 args.dropout_p)
@@ -72,25 +72,27 @@ class ModsStandIn:
         cu_q, cu_k = args.cu_seqlens_q.tolist(), args.cu_seqlens_k.tolist()
         return [(b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)]
 
-    def _varlen_fwd(self, q, k, v, features, args, sink):
-        """mha_varlen's sink and dropout, one sequence at a time; sequence b draws
-        dropout_mask's entry b."""
+    def _varlen_fwd(self, q, k, v, features, args, sink, mask_mod=None):
+        """mha_varlen's mods, sink and dropout, one sequence at a time (the mods see global
+        indices and b = the sequence); sequence b draws dropout_mask's entry b."""
         out = torch.zeros_like(q)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
         for b, rq, rk in self._sequences(args):
             qb, kb, vb = q[rq][None], k[rk][None], v[rk][None]
-            o, l = attention_ref_mod(qb, kb, vb, mask_mod=self._mask(features, None), softmax_scale=args.softmax_scale,
-                                     sink=sink, dropout_keep=_keep(qb, kb, args, b), dropout_p=args.dropout_p)
+            o, l = attention_ref_mod(qb, kb, vb, mask_mod=self._mask(features, mask_mod), softmax_scale=args.softmax_scale,
+                                     sink=sink, dropout_keep=_keep(qb, kb, args, b), dropout_p=args.dropout_p,
+                                     offset_q=rq.start, offset_k=rk.start, first_batch=b)
             out[rq] = o[0].to(out.dtype)
             lse[:, rq] = l[0]
         return out, lse
 
-    def _varlen_bwd(self, dout, q, k, v, out, lse, features, args, sink):
+    def _varlen_bwd(self, dout, q, k, v, out, lse, features, args, sink, mask_mod=None):
         grads = [torch.zeros_like(t) for t in (q, k, v)]
         for b, rq, rk in self._sequences(args):
             per_seq = _grads_from_lse(dout[rq][None], q[rq][None], k[rk][None], v[rk][None], out[rq][None],
-                                      lse[:, rq][None], args.softmax_scale, self._mask(features, None),
-                                      _keep(q[rq][None], k[rk][None], args, b), args.dropout_p)
+                                      lse[:, rq][None], args.softmax_scale, self._mask(features, mask_mod),
+                                      _keep(q[rq][None], k[rk][None], args, b), args.dropout_p,
+                                      place=(rq.start, rk.start, b))
             for g, part, r in zip(grads, per_seq, (rq, rk, rk)):
                 g[r] = part[0]
         if sink is None:
@@ -110,12 +112,13 @@ def _keep(q, k, args, entry=None):
     return full[entry:entry + 1]
 
 
-def _grads_from_lse(dout, q, k, v, out, lse, scale, mask_mod, keep=None, dropout_p=0.0):
+def _grads_from_lse(dout, q, k, v, out, lse, scale, mask_mod, keep=None, dropout_p=0.0, place=(0, 0, 0)):
     """The kernels' backward in closed form (reference.grads_from_lse) with the mod's
     dense mask and dropout's keep / (1 - p); a sink is in lse. Not autograd: an op's
-    kernel runs below the autograd key."""
+    kernel runs below the autograd key. place: a packed sequence's (offset_q, offset_k,
+    index), as the mods see it."""
     b, sq, h = q.shape[0], q.shape[1], q.shape[2]
-    visible = None if mask_mod is None else dense_mask(mask_mod, b, h, sq, k.shape[1])
+    visible = None if mask_mod is None else dense_mask(mask_mod, b, h, sq, k.shape[1], None, *place)
     factor = None if keep is None else keep * keep_scale(dropout_p)
     grads = grads_from_lse(dout, q, k, v, out, lse, softmax_scale=scale, visible=visible, keep_factor=factor)
     return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
@@ -400,7 +403,7 @@ def test_varlen_mods_schemas():
     fwd = str(torch.ops.cute_attn.fwd_varlen_mods.default._schema)
     bwd = str(torch.ops.cute_attn.bwd_varlen_mods.default._schema)
     varlen = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k"
-    extras = "Tensor? sink, Tensor? dropout_seed, float dropout_p"
+    extras = "Tensor[] aux, Tensor? sink, Tensor? dropout_seed, float dropout_p, str mods"
     assert fwd == f"cute_attn::fwd_varlen_mods(Tensor q, Tensor k, Tensor v, {varlen}, {extras}, {SIX}) -> (Tensor, Tensor)"
     assert bwd == (f"cute_attn::bwd_varlen_mods(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                    f"{varlen}, {extras}, {SIX}) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -422,14 +425,85 @@ def test_opcheck_varlen_mods(stand_in, case):
     sink = torch.randn(h).requires_grad_() if "sink" in case else None
     seed = torch.tensor([7, -3], dtype=torch.int32) if "dropout" in case else None
     features, run_args = api._features_and_args("causal" in case, api._NO_WINDOW, 0.0, 64 ** -0.5)
-    args = (cu_q, cu_k, 9, 9, sink, seed, 0.25 if seed is not None else 0.0, *ops._pack(features, run_args), False)
+    args = (cu_q, cu_k, 9, 9, [], sink, seed, 0.25 if seed is not None else 0.0, "/", *ops._pack(features, run_args),
+            False)
     torch.library.opcheck(torch.ops.cute_attn.fwd_varlen_mods.default, (q, k, v, *args), test_utils=OPCHECK_UTILS)
     out, lse = (t.detach() for t in torch.ops.cute_attn.fwd_varlen_mods(q.detach(), k.detach(), v.detach(), *args))
     assert out.shape == q.shape and lse.shape == (h, q.shape[0])
-    bwd_args = (*args[:4], None if sink is None else sink.detach(), *args[5:])
+    bwd_args = (*args[:5], None if sink is None else sink.detach(), *args[6:])
     torch.library.opcheck(torch.ops.cute_attn.bwd_varlen_mods.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, *bwd_args),
                           test_utils=OPCHECK_UTILS)
+
+
+def _packed_doc_ids(lengths):
+    """(total,) ids over a packed batch: two documents per sequence, none shared across."""
+    return torch.tensor([2 * b + (i * 2 >= n) for b, n in enumerate(lengths) for i in range(n)], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("case", ["document_causal", "prefix_lm_sink"])
+def test_opcheck_varlen_mask_mods(stand_in, case):
+    """fwd_varlen_mods / bwd_varlen_mods with a mask mod and its aux tensor: the op builds
+    the per-sequence block mask itself (none passed through the op)."""
+    h, h_kv = 4, 2
+    lengths = [3, 0, 9]
+    q, k, v, cu_q, cu_k = _packed(lengths, lengths, h, h_kv, seed=6)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    if case == "document_causal":
+        mod, sink = masks.document(_packed_doc_ids(lengths), causal=True), None
+    else:
+        mod, sink = masks.prefix_lm([2, 0, 5]), torch.randn(h).requires_grad_()
+    features, run_args = api._features_and_args(False, api._NO_WINDOW, 0.0, 64 ** -0.5)
+    args = (cu_q, cu_k, 9, 9, list(mod.aux), sink, None, 0.0, mod.spec.digest + "/",
+            *ops._pack(features, run_args), False)
+    torch.library.opcheck(torch.ops.cute_attn.fwd_varlen_mods.default, (q, k, v, *args), test_utils=OPCHECK_UTILS)
+    out, lse = (t.detach() for t in torch.ops.cute_attn.fwd_varlen_mods(q.detach(), k.detach(), v.detach(), *args))
+    assert stand_in.fwd_calls[-1]["mask"] is not None and stand_in.fwd_calls[-1]["features"].mask_mod is not None
+    bwd_args = (*args[:5], None if sink is None else sink.detach(), *args[6:])
+    torch.library.opcheck(torch.ops.cute_attn.bwd_varlen_mods.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, *bwd_args),
+                          test_utils=OPCHECK_UTILS)
+
+
+def test_compile_fullgraph_varlen_document_mask_no_recompile(stand_in):
+    """mha_varlen with a packed document mask under torch.compile(fullgraph=True,
+    dynamic=True): one graph through fwd_varlen_mods / bwd_varlen_mods for three batches
+    of lengths, outputs and gradients equal to eager calls, which equal the per-sequence
+    reference (the stand-in's); a user block mask is refused while traced."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend = CountingBackend()
+    h = 2
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, mod):  # mods are made outside the compiled function
+        return api.mha_varlen(q, k, v, cu_q, cu_k, max_q, max_k, mask_mod=mod, check_cu_seqlens=False)
+
+    compiled = torch.compile(attend, backend=backend, fullgraph=True, dynamic=True)
+    try:
+        for lengths in ([5, 11], [7, 0, 13], [4, 9, 2, 6]):
+            q, k, v, cu_q, cu_k = _packed(lengths, lengths, h, h, seed=len(lengths), dtype=torch.bfloat16)
+            mod = masks.document(_packed_doc_ids(lengths), causal=True)
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            twins = [t.detach().clone().requires_grad_() for t in leaves]
+            offsets = (cu_q, cu_k, max(lengths), max(lengths))
+            out = compiled(*leaves, *offsets, mod)
+            out2 = attend(*twins, *offsets, mod)
+            assert_bitwise_twins((out,), (out2,), leaves, twins)
+            assert stand_in.fwd_calls[-1]["features"].varlen and stand_in.fwd_calls[-1]["mask"] is not None
+        assert_one_graph_calling(backend, "fwd_varlen_mods", "bwd_varlen_mods")
+
+        def with_block_mask(q, k, v, cu_q, cu_k, mod, block_mask):
+            return api.mha_varlen(q, k, v, cu_q, cu_k, 9, 9, mask_mod=mod, block_mask=block_mask,
+                                  check_cu_seqlens=False)
+
+        lengths = [3, 9]
+        q, k, v, cu_q, cu_k = _packed(lengths, lengths, h, h, dtype=torch.bfloat16)
+        mod = masks.document(_packed_doc_ids(lengths))
+        built = bm.create_varlen_block_mask(mod, cu_q, cu_k, h, head_dim=64)
+        with pytest.raises(Exception, match="cannot be checked against the offsets while traced"):
+            torch.compile(with_block_mask, backend="eager", fullgraph=True)(q, k, v, cu_q, cu_k, mod, built)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_compile_fullgraph_varlen_sink_and_dropout_no_recompile(stand_in):

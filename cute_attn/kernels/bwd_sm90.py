@@ -454,7 +454,8 @@ class FlashBwdSm90:
         [m_first, m_first + count) of block_range."""
         blocks = None
         if cutlass.const_expr(self.features.mask_mod is not None):
-            blocks = BlockList(g.sparse, seqlen.batch, head, tile.block)
+            # per batch entry, or per packed sequence (tile.batch; seqlen.batch is 0 there)
+            blocks = BlockList(g.sparse, tile.batch, head, tile.block)
             m_first, count = Int32(0), blocks.count
         else:
             m_first, m_block_max = block_range.m_block_min_max(seqlen, tile.block)
@@ -505,7 +506,7 @@ class FlashBwdSm90:
                         # n_block: the transposed mask's dq_turn)
                         turn_ptr = g.dq_semaphore[None, head, seqlen.batch].iterator + tile_idx
                         if cutlass.const_expr(blocks is not None):
-                            turn = g.sparse[4][seqlen.batch, head, n_block, m_block]
+                            turn = g.sparse[4][tile.batch, head, n_block, m_block]
                         else:
                             first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
                             turn = n_block - first_n_block
@@ -586,8 +587,9 @@ class FlashBwdSm90:
                 dropout = Dropout(g.dropout, tile.batch, head_kv * group + i)
             mods = None
             if cutlass.const_expr(self.features.has_mods):
+                # b: the sequence's index for varlen too, as in the forward
                 mods = ModTile(self.features.mask_mod, self.features.score_mod, self.tile_m, self.tile_n, seqlen,
-                               seqlen.batch, head_kv * group + i, g.aux, score.softmax_scale)
+                               tile.batch, head_kv * group + i, g.aux, score.softmax_scale)
             if cutlass.const_expr(self.features.mask_mod is not None):
                 # the block mask's PARTIAL query blocks take the mod per element; FULL
                 # ones (never the KV tile cut by seqlen_k, block_mask.py) none
