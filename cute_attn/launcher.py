@@ -202,12 +202,14 @@ def _fake_block_mask_and_aux(features: AttnFeatures, n: "_Symbols", transposed: 
     import cutlass.cute as cute
 
     outer, inner = cute.sym_int32(symbol="tiles_outer"), cute.sym_int32(symbol="tiles_inner")
-    lists = (_fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer), "partial_count"),
-             _fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer, inner), "partial_idx"),
-             _fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer), "full_count"),
-             _fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer, inner), "full_idx"))
+    # a packed varlen batch's lists have a row per sequence, while its q has batch 1
+    batch = cute.sym_int32(symbol="sequences") if features.varlen else n.batch
+    lists = (_fake_any_strides(cutlass.Int32, (batch, n.heads, outer), "partial_count"),
+             _fake_any_strides(cutlass.Int32, (batch, n.heads, outer, inner), "partial_idx"),
+             _fake_any_strides(cutlass.Int32, (batch, n.heads, outer), "full_count"),
+             _fake_any_strides(cutlass.Int32, (batch, n.heads, outer, inner), "full_idx"))
     if transposed:
-        lists += (_fake_any_strides(cutlass.Int32, (n.batch, n.heads, outer, inner), "dq_turn"),)
+        lists += (_fake_any_strides(cutlass.Int32, (batch, n.heads, outer, inner), "dq_turn"),)
     signature = [sig for mod in (features.mask_mod, features.score_mod) if mod is not None
                  for sig in mod.aux_signature] or [(torch.int32, 1)]
     aux = tuple(

@@ -254,19 +254,19 @@ def _packed_qkv(lengths_q, lengths_k, heads, heads_kv, d, seed, requires_grad=Fa
 
 
 def test_opcheck_varlen_mods():
-    """cute_attn::fwd_varlen_mods / bwd_varlen_mods (mha_varlen with a sink and dropout)
-    under opcheck with the real kernels."""
+    """cute_attn::fwd_varlen_mods / bwd_varlen_mods (mha_varlen with a sink and dropout, no
+    mods: aux [] and mods "/") under opcheck with the real kernels."""
     lengths_q, lengths_k = [77, 0, 130], [50, 201, 129]
     q, k, v, cu_q, cu_k = _packed_qkv(lengths_q, lengths_k, 4, 2, 64, seed=31, requires_grad=True)
     sink = torch.randn(4, device="cuda", requires_grad=True)
     seed = torch.tensor([11, 12], dtype=torch.int32, device="cuda")
     varlen = (cu_q, cu_k, max(lengths_q), max(lengths_k))
-    args = (q, k, v, *varlen, sink, seed, 0.2, *_params(64, causal=True, varlen=varlen))
+    args = (q, k, v, *varlen, [], sink, seed, 0.2, "/", *_params(64, causal=True, varlen=varlen))
     torch.library.opcheck(torch.ops.cute_attn.fwd_varlen_mods.default, args, test_utils=OPCHECK_UTILS)
     out, lse = torch.ops.cute_attn.fwd_varlen_mods(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
     assert lse.shape == (4, q.shape[0])
-    bwd_args = (_rand(*out.shape, seed=32), q.detach(), k.detach(), v.detach(), out, lse, *varlen, sink.detach(),
-                *args[8:])
+    bwd_args = (_rand(*out.shape, seed=32), q.detach(), k.detach(), v.detach(), out, lse, *varlen, [],
+                sink.detach(), *args[9:])
     torch.library.opcheck(torch.ops.cute_attn.bwd_varlen_mods.default, bwd_args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
@@ -299,6 +299,36 @@ def test_compiled_varlen_sink_and_dropout_equal_eager(fresh_dynamo):
         assert torch.equal(k.grad, twins[1].grad) and torch.equal(v.grad, twins[2].grad)
         torch.testing.assert_close(q.grad, twins[0].grad, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(sink.grad, twins[3].grad, rtol=1e-4, atol=1e-4)
+    assert set(recorder.compile_ids) == {(0, 0)}, recorder.compile_ids
+
+
+def test_compiled_varlen_document_mask_equals_eager(fresh_dynamo):
+    """mha_varlen with a packed document mask (made outside the compiled function, a new
+    one per batch) under inductor, fullgraph and dynamic: three batches of lengths, one
+    compile; out, dk and dv equal eager's bit for bit, dq (its dQ sums land in another
+    order) to rounding."""
+    from cute_attn import masks
+
+    recorder = _Recorder()
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, mod):
+        return cute_attn.mha_varlen(q, k, v, cu_q, cu_k, max_q, max_k, mask_mod=mod, check_cu_seqlens=False) * 1.0
+
+    compiled = torch.compile(attend, backend=recorder, fullgraph=True, dynamic=True)
+    for i, lengths in enumerate(([300, 17], [5, 0, 411], [129, 128, 257, 64])):
+        q, k, v, cu_q, cu_k = _packed_qkv(lengths, lengths, 4, 2, 128, seed=60 + i, requires_grad=True)
+        ids = torch.cat([torch.arange(n, device="cuda") * 3 // max(n, 1) + 10 * b for b, n in enumerate(lengths)])
+        mod = masks.document(ids.to(torch.int32), causal=True)
+        twins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        offsets = (cu_q, cu_k, max(lengths), max(lengths))
+        out = compiled(q, k, v, *offsets, mod)
+        out2 = attend(*twins, *offsets, mod)
+        dout = _rand(*out.shape, seed=70 + i)
+        out.backward(dout)
+        out2.backward(dout)
+        assert torch.equal(out, out2)
+        assert torch.equal(k.grad, twins[1].grad) and torch.equal(v.grad, twins[2].grad)
+        torch.testing.assert_close(q.grad, twins[0].grad, rtol=1e-2, atol=1e-2)
     assert set(recorder.compile_ids) == {(0, 0)}, recorder.compile_ids
 
 
