@@ -124,6 +124,9 @@ CASES = (
          extra={"sink": True, "dropout": 0.2}),
     Case("mods-bd3lm-deterministic-gqa", seqlen_q=302, seqlen_k=302, nheads=4, nheads_kv=2, deterministic=True,
          extra={"mods": "bd3lm"}),
+    # mods in a packed batch: per-sequence block-mask lists, global indices (an empty sequence)
+    Case("varlen-mods-document-gqa", nheads=4, nheads_kv=2, lengths=((40, 40), (0, 0), (150, 150), (277, 277)),
+         extra={"mods": "packed_document"}),
     # the head-dim-split backward of 192/256 (P^T / dS^T through shared memory): the sdQ
     # tile at 192, dQ by atomics at 256 (hd256-causal above), and the deterministic one's
     # sdQ tile with its ordered reduce-adds at 256
@@ -240,16 +243,8 @@ def run_case(case):
         kwargs.update({name: 0.5 + torch.rand(batch, hk, device="cuda", generator=gen)
                        for name in ("q_descale", "k_descale", "v_descale")})
         del kwargs["deterministic"]
-    if case.extra.get("mods"):
-        # build (and cache) the block mask first: its temporaries would otherwise take the
-        # poisoned blocks meant for out, and initcheck then flags out's TMA-stored rows
-        # (seen with the head-dim-64 BD3LM case, whose out is the size of a temporary)
-        cute_attn.mha(*tensors, **{n: a for n, a in kwargs.items() if n in ("mask_mod", "score_mod")})
-    poison_next_outputs(q)  # FP8 too: out is bf16 like this q, so the same sizes
-    if case.backward:
-        tensors = tuple(t.requires_grad_() for t in tensors)
     if case.lengths is None:
-        out = cute_attn.mha(*tensors, **kwargs)
+        attend = cute_attn.mha
     else:
         offsets = [[0], [0]]
         for lq, lk in case.lengths:
@@ -258,7 +253,18 @@ def run_case(case):
         cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device="cuda") for o in offsets)
         max_q = max(lq for lq, _ in case.lengths)
         max_k = max(lk for _, lk in case.lengths)
-        out = cute_attn.mha_varlen(*tensors, cu_q, cu_k, max_q, max_k, **kwargs)
+
+        def attend(q, k, v, **kw):
+            return cute_attn.mha_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    if case.extra.get("mods"):
+        # build (and cache) the block mask first: its temporaries would otherwise take the
+        # poisoned blocks meant for out, and initcheck then flags out's TMA-stored rows
+        # (seen with the head-dim-64 BD3LM case, whose out is the size of a temporary)
+        attend(*tensors, **{n: a for n, a in kwargs.items() if n in ("mask_mod", "score_mod")})
+    poison_next_outputs(q)  # FP8 too: out is bf16 like this q, so the same sizes
+    if case.backward:
+        tensors = tuple(t.requires_grad_() for t in tensors)
+    out = attend(*tensors, **kwargs)
     if out.isnan().any():
         raise AssertionError(f"{case.name}: out has elements the forward never wrote")
     if case.backward:
@@ -292,6 +298,10 @@ def mod_kwargs(case, gen):
         ids = (torch.rand(case.batch, case.seqlen_k, device="cuda", generator=gen) < 0.02).cumsum(1).to(torch.int32)
         slopes = torch.rand(case.nheads, device="cuda", generator=gen)
         return dict(mask_mod=masks.document(ids, causal=True), score_mod=masks.alibi(slopes))
+    if which == "packed_document":  # ids over the packed tokens (self-attention lengths)
+        total = sum(lq for lq, _ in case.lengths)
+        ids = (torch.rand(total, device="cuda", generator=gen) < 0.02).cumsum(0).to(torch.int32)
+        return dict(mask_mod=masks.document(ids, causal=True))
     return dict(mask_mod=lambda b, h, q, kv: (q % 7 != 3) & (kv <= q))
 
 
