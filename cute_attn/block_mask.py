@@ -103,13 +103,15 @@ class BlockMask(NamedTuple):
         return 1.0 - visited / max(1, tiles * self.partial_count.shape[0] * self.partial_count.shape[1])
 
 
-def _depends(mod: Modifier, batch: int, heads: int, seq: SeqInfo, device):
+def _depends(mod: Modifier, batch: int, heads: int, seq: SeqInfo, device, first_batch: int = 0):
     """Whether the mod's result varies with b and with h: the broadcast shape of one
-    evaluation at a single (q, kv) pair says which index tensors it used."""
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    evaluation at a single (q, kv) pair, the entry's first (seq's offsets; b from
+    first_batch), says which index tensors it used."""
+    b = torch.arange(first_batch, first_batch + batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    zero = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=device)
-    out = torch.as_tensor(mod(b, h, zero, zero, seq=seq))
+    q_idx, kv_idx = (torch.full((1, 1, 1, 1), o, dtype=torch.int64, device=device)
+                     for o in (seq.offset_q, seq.offset_k))
+    out = torch.as_tensor(mod(b, h, q_idx, kv_idx, seq=seq))
     shape = (1,) * (4 - out.dim()) + tuple(out.shape)
     return shape[0] != 1, shape[1] != 1
 
@@ -213,16 +215,16 @@ def build_varlen_block_mask(mask_mod, cu_seqlens_q, cu_seqlens_k, heads: int, ti
     if len(offsets_q) != len(offsets_k) or len(offsets_q) < 1 or heads < 0 or min(tile_m, tile_n) < 1:
         raise ValueError(f"bad varlen block-mask arguments: {len(offsets_q)} and {len(offsets_k)} offsets, "
                          f"heads {heads}, tile {(tile_m, tile_n)}")
-    if device is None:
-        device = cu_seqlens_q.device if isinstance(cu_seqlens_q, torch.Tensor) else \
-            (mod.aux[0].device if mod.aux else torch.device("cpu"))
+    if device is None:  # where the kernel runs: the offsets' GPU, an aux tensor's, else CUDA
+        on_gpu = [t.device for t in (cu_seqlens_q, *mod.aux) if isinstance(t, torch.Tensor) and t.is_cuda]
+        device = on_gpu[0] if on_gpu else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     aux = tuple(t.to(device) for t in mod.aux)
     batch = len(offsets_q) - 1
     lengths = [(offsets_q[i + 1] - offsets_q[i], offsets_k[i + 1] - offsets_k[i]) for i in range(batch)]
     seqlen_q, seqlen_k = max((lq for lq, _ in lengths), default=0), max((lk for _, lk in lengths), default=0)
     seqs = [SeqInfo(aux, lq, lk, offsets_q[i], offsets_k[i]) for i, (lq, lk) in enumerate(lengths)]
     live = [i for i, (lq, lk) in enumerate(lengths) if lq and lk]
-    by_h = bool(live) and _depends(mod, 1, max(heads, 1), seqs[live[0]], device)[1]
+    by_h = bool(live) and _depends(mod, 1, max(heads, 1), seqs[live[0]], device, live[0])[1]
     nh = heads if by_h else 1
     h = torch.arange(nh, device=device).view(1, -1, 1, 1)
     classes = torch.zeros(batch, nh, math.ceil(seqlen_q / tile_m), math.ceil(seqlen_k / tile_n), dtype=torch.int8,
@@ -243,6 +245,8 @@ def cached_block_mask(mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, t
     """build_block_mask, remembered per (mod key, aux tensors' storage and version, shape,
     tiles, device): a model calling mha with one mask in every layer builds it once. An
     aux tensor modified in place (its version changes) builds anew."""
+    if not _SameTensors.rememberable(mod.aux):  # no version to key an inference tensor by
+        return build_block_mask(mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device, transposed)
     aux_id = tuple((t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride())) for t in mod.aux)
     key = (mod.key, aux_id, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, str(device), transposed)
     found = _cache.get(key)
@@ -282,11 +286,23 @@ def _check_kind(block_mask: BlockMask, mod: Modifier):
 class _SameTensors:
     """The identity of live tensors and their versions, for caches keyed by what a call
     passed: equal only while the very same tensor objects are alive and unmodified (a
-    data pointer is not enough: a freed tensor's memory is handed to the next one)."""
+    data pointer is not enough: a freed tensor's memory is handed to the next one).
+    on_death: called once one of them is freed (the cache drops its entry then, instead
+    of keeping the lists of a batch long gone until the LRU evicts them). Inference
+    tensors keep no version: callers do not cache them (rememberable)."""
 
-    def __init__(self, tensors):
-        self.refs = tuple(weakref.ref(t) for t in tensors)
+    def __init__(self, tensors, on_death=None):
+        def dead(_ref, fired=[]):  # noqa: B006 - once per entry, whichever tensor dies first
+            if not fired and on_death is not None:
+                fired.append(True)
+                on_death()
+
+        self.refs = tuple(weakref.ref(t, dead) for t in tensors)
         self.versions = tuple(t._version for t in tensors)
+
+    @staticmethod
+    def rememberable(tensors) -> bool:
+        return not any(t.is_inference() for t in tensors)
 
     def hold(self, tensors) -> bool:
         return len(tensors) == len(self.refs) and all(
@@ -305,6 +321,8 @@ def cached_varlen_block_mask(mod: Modifier, cu_seqlens_q: torch.Tensor, cu_seqle
     unmodified: a model passing one cu_seqlens (and one doc-id tensor) to every layer
     reads the offsets to the host and builds once per batch."""
     tensors = (cu_seqlens_q, cu_seqlens_k, *mod.aux)
+    if not _SameTensors.rememberable(tensors):
+        return build_varlen_block_mask(mod, cu_seqlens_q, cu_seqlens_k, heads, tile_m, tile_n, transposed=transposed)
     key = (mod.key, heads, tile_m, tile_n, str(cu_seqlens_q.device), transposed, tuple(id(t) for t in tensors))
     found = _varlen_cache.get(key)
     if found is not None and found[0].hold(tensors):
@@ -312,15 +330,16 @@ def cached_varlen_block_mask(mod: Modifier, cu_seqlens_q: torch.Tensor, cu_seqle
         return found[1]
     block_mask = build_varlen_block_mask(mod, cu_seqlens_q, cu_seqlens_k, heads, tile_m, tile_n,
                                          transposed=transposed)
-    _varlen_cache[key] = (_SameTensors(tensors), block_mask)
+    same = _SameTensors(tensors, on_death=lambda: _varlen_cache.pop(key, None))
+    _varlen_cache[key] = (same, block_mask)
     if len(_varlen_cache) > _CACHE_SIZE:
         _varlen_cache.popitem(last=False)
     return block_mask
 
 
-# id(user's varlen BlockMask) -> (_SameTensors of (its partial_count, the call's offsets)):
-# a mask checked against these offsets once is not read back again
-_varlen_checked: "OrderedDict[int, _SameTensors]" = OrderedDict()
+# id(user's varlen BlockMask) -> (_SameTensors of (its partial_count, the call's offsets),
+# its cu_seqlens): a mask checked against these offsets once is not read back again
+_varlen_checked: "OrderedDict[int, tuple]" = OrderedDict()
 
 
 def check_varlen_block_mask(block_mask: BlockMask, mod: Modifier, cu_seqlens_q: torch.Tensor,
@@ -339,16 +358,22 @@ def check_varlen_block_mask(block_mask: BlockMask, mod: Modifier, cu_seqlens_q: 
         raise ValueError(f"block_mask was built for (heads, tile_m, tile_n) = "
                          f"{(block_mask.heads, block_mask.tile_m, block_mask.tile_n)}, this call needs "
                          f"{(heads, tile_m, tile_n)}")
+    if block_mask.partial_count.device != cu_seqlens_q.device:
+        raise ValueError(f"block_mask is on {block_mask.partial_count.device}, the call on {cu_seqlens_q.device}: "
+                         "build it on the GPU (create_varlen_block_mask(..., device=...))")
     tensors = (block_mask.partial_count, cu_seqlens_q, cu_seqlens_k)
     seen = _varlen_checked.get(id(block_mask))
-    if seen is not None and seen.hold(tensors):
+    if seen is not None and seen[0].hold(tensors) and seen[1] == block_mask.cu_seqlens:
         return
     offsets = tuple(tuple(c.tolist()) for c in (cu_seqlens_q, cu_seqlens_k))
     if offsets != block_mask.cu_seqlens:
         raise ValueError("block_mask was built for other cu_seqlens than this call's")
-    _varlen_checked[id(block_mask)] = _SameTensors(tensors)
-    if len(_varlen_checked) > _CACHE_SIZE:
-        _varlen_checked.popitem(last=False)
+    if _SameTensors.rememberable(tensors):
+        key = id(block_mask)
+        _varlen_checked[key] = (_SameTensors(tensors, on_death=lambda: _varlen_checked.pop(key, None)),
+                                block_mask.cu_seqlens)
+        if len(_varlen_checked) > _CACHE_SIZE:
+            _varlen_checked.popitem(last=False)
 
 
 def create_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, head_dim: int = 128,

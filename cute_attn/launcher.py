@@ -617,6 +617,9 @@ def _mod_arguments(q, k, tile_m, tile_n, mask_mod, score_mod, block_mask=None, t
                                               transposed)
         else:
             bm.check_block_mask(block_mask, mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n)
+            if block_mask.partial_count.device != q.device:
+                raise ValueError(f"block_mask is on {block_mask.partial_count.device}, q on {q.device}: build it "
+                                 "on q's device (create_block_mask(..., device=...))")
         lists = block_mask.kernel_tensors() + ((block_mask.dq_turns(),) if transposed else ())
     else:  # a score mod alone visits every tile: the lists are never read
         unused = _placeholder(q.device, (1, 1, 1, 1))

@@ -135,13 +135,22 @@ def attention_ref_varlen_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
     """attention_ref_mod over a packed batch (mha_varlen's layout: q (total_q, heads, d),
     k, v (total_k, heads_kv, d)), one sequence at a time with the indices the kernels give
     the mods (global, b = the sequence's index). Returns (out (total_q, heads, d), lse
-    (heads, total_q)) in float32; rows of a sequence without keys get 0 and -inf."""
+    (heads, total_q)) in float32; rows of a sequence without keys get 0 and -inf (the sink
+    with sink=). Not for dropout: each sequence draws its own mask (dropout_mask's entry
+    b), which one dropout_keep cannot carry."""
+    if "dropout_keep" in kwargs:
+        raise ValueError("attention_ref_varlen_mod takes no dropout_keep: call attention_ref_mod per sequence "
+                         "with that sequence's mask")
     offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     out = q.new_zeros(q.shape, dtype=torch.float32)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
     for b in range(len(offsets_q) - 1):
         rq, rk = slice(offsets_q[b], offsets_q[b + 1]), slice(offsets_k[b], offsets_k[b + 1])
-        if rq.start == rq.stop or rk.start == rk.stop:
+        if rq.start == rq.stop:
+            continue
+        if rk.start == rk.stop:
+            if kwargs.get("sink") is not None:  # the sink alone in every row's denominator
+                lse[:, rq] = kwargs["sink"].float()[:, None]
             continue
         o, l = attention_ref_mod(q[rq][None], k[rk][None], v[rk][None], offset_q=rq.start, offset_k=rk.start,
                                  first_batch=b, **kwargs)

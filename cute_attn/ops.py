@@ -199,7 +199,7 @@ def _unpack_mods(mods: str, aux, sink, dropout_seed, dropout_p, mask, softmax_sc
     """(features, run_args, mask_mod, score_mod) of a mods op: _unpack's, with the mods
     found by their digests (masks.Modifier.by_digest) and bound to aux (the mask mod's
     first), the sink's flag and the dropout; as api._run_mods built them. varlen: as
-    _unpack's (the varlen mods' ops: mods "/", no aux)."""
+    _unpack's (the varlen mods' ops)."""
     from cute_attn.masks import Modifier
 
     features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right, varlen)

@@ -508,6 +508,10 @@ _checked_offsets = WeakIdKeyDictionary()
 
 
 def _check_cu_seqlens_once(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    if cu_seqlens_q.is_inference() or cu_seqlens_k.is_inference():
+        # inference tensors keep no version counter: nothing to remember them by
+        check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return
     states = ((cu_seqlens_q, (cu_seqlens_q._version, q.shape[0], max_seqlen_q)),
               (cu_seqlens_k, (cu_seqlens_k._version, k.shape[0], max_seqlen_k)))
     if all(_checked_offsets.get(t) == state for t, state in states):

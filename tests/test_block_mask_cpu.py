@@ -306,3 +306,39 @@ def test_tree_sum_adds_every_value_once(n):
             return Depth(int(max(self, other)) + 1)
 
     assert tree_sum([Depth(0)] * n) == (n - 1).bit_length()
+
+
+def test_varlen_builder_probes_the_mod_where_a_sequence_is():
+    """The head-dependence probe evaluates the mod at the first live sequence's own first
+    indices (its offsets, its b): a mod reading a per-sequence aux at q_idx - offset_q
+    must not be called at index 0 of another sequence."""
+    per_seq = [torch.arange(20) % 3, torch.arange(10) % 2]  # sequence 0 has no keys
+
+    def mod(b, h, q, kv, seq):
+        return seq.aux[0][q - seq.offset_q] >= 0 if seq.offset_q == 20 else kv >= 0
+
+    m = masks.Modifier("mask", mod, (torch.cat(per_seq)[20:],), "probe")
+    cu_q, cu_k = torch.tensor([0, 20, 30], dtype=torch.int32), torch.tensor([0, 0, 10], dtype=torch.int32)
+    built = bm.build_varlen_block_mask(m, cu_q, cu_k, 2, 8, 8, device="cpu")
+    assert built.classes()[1].ne(EMPTY).any() and not built.classes()[0].ne(EMPTY).any()
+
+
+def test_varlen_caches_skip_inference_tensors_and_drop_dead_entries():
+    import gc
+
+    mod = masks.causal()
+    with torch.inference_mode():
+        cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    a = bm.cached_varlen_block_mask(mod, cu, cu, 2, 8, 8)  # no version counter: built, not cached
+    assert a is not bm.cached_varlen_block_mask(mod, cu, cu, 2, 8, 8)
+    bm.check_varlen_block_mask(a, mod, cu, cu, 2, 8, 8)
+    live = torch.tensor([0, 7, 9], dtype=torch.int32)
+    bm.cached_varlen_block_mask(mod, live, live, 2, 8, 8)
+    before = len(bm._varlen_cache)
+    del live
+    gc.collect()
+    assert len(bm._varlen_cache) == before - 1, "a freed offsets tensor's entry is dropped"
+    gpu_mask = a._replace(partial_count=a.partial_count.to("meta"))
+    with pytest.raises(ValueError, match="is on meta"):
+        bm.check_varlen_block_mask(gpu_mask, mod, torch.tensor([0, 10, 30], dtype=torch.int32),
+                                   torch.tensor([0, 10, 30], dtype=torch.int32), 2, 8, 8)

@@ -525,6 +525,9 @@ def _varlen_mod_cases():
         "causal_alibi_cross": (lambda: (masks.causal(), masks.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625],
                                                                                   device="cuda"))),
                                *VARLEN_MOD_CROSS),
+        # the deterministic backward: dQ turns read per sequence (the block mask's dq_turn)
+        "block_diffusion_5_deterministic": (lambda: (masks.block_diffusion(5), None), VARLEN_MOD_SELF,
+                                            VARLEN_MOD_SELF),
     }
 
 
@@ -560,13 +563,16 @@ def test_varlen_mods_forward_and_backward(name):
     k, cu_k = _packed(lengths_k, h_kv, d, gen)
     v, _ = _packed(lengths_k, h_kv, d, gen)
     args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
-    kw = dict(mask_mod=mask_mod, score_mod=score_mod)
+    kw = dict(mask_mod=mask_mod, score_mod=score_mod, deterministic=name.endswith("deterministic"))
     poison_allocator(q.numel() * q.element_size(), q.numel() // d * 4)
     out, lse = cute_attn.mha_varlen(q, k, v, *args, return_lse=True, **kw)
     assert out.shape == q.shape and lse.shape == (h, q.shape[0])
     dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=q.dtype)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     grads = torch.autograd.grad(cute_attn.mha_varlen(*leaves, *args, **kw), leaves, dout)
+    if kw["deterministic"]:
+        again = torch.autograd.grad(cute_attn.mha_varlen(*leaves, *args, **kw), leaves, dout)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again)), "deterministic gradients differ run to run"
     for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
         rq, rk = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
         if lq == 0:
