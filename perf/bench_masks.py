@@ -4,7 +4,10 @@ a dense mask (or bias), in one process, on the issue's cases:
 
 - BD3LM block diffusion: L = 1024 and 4096 (sequence 2L: noisy half, clean half), blocks
   of 4 and 16, 12 heads x 64 and 16 heads x 128; batch x 2L = 16K tokens;
-- documents: 16 packed documents of random lengths in one 16K sequence, causal;
+- documents: 16 packed documents of random lengths in one 16K sequence, causal; the same
+  documents also as a packed varlen batch through mha_varlen, plain causal
+  (cute_attn_varlen: what a FlashAttention user runs) and with a causal mask mod
+  (cute_attn_varlen_mod: the mods kernel on per-sequence block masks);
 - prefix-LM: 2 x 8K, prefixes of 2048 and 5000 tokens;
 - ALiBi, causal: 2 x 8K.
 
@@ -119,6 +122,7 @@ def run_case(c, rounds, impls, directions=("fwd", "bwd")):
     from torch.nn.attention.flex_attention import flex_attention
 
     import cute_attn
+    from cute_attn import masks
     from cute_attn.mask_reference import dense_mask, index_grids, seq_info
 
     b, s, h, d = c["batch"], c["seqlen"], c["nheads"], c["headdim"]
@@ -163,6 +167,19 @@ def run_case(c, rounds, impls, directions=("fwd", "bwd")):
             attn_mask = bias.masked_fill(~visible, float("-inf")).to(torch.bfloat16)
         forwards["sdpa_dense_mask"] = lambda q_, k_, v_: bhsd(torch.nn.functional.scaled_dot_product_attention(
             bhsd(q_), bhsd(k_), bhsd(v_), attn_mask=attn_mask))
+    if c["group"] == "documents":
+        # the documents as sequences: cu_seqlens from the id changes (one host read, here)
+        ids = mask.aux[0][0]
+        starts = torch.nonzero(torch.diff(ids) != 0).flatten() + 1
+        cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), s)]).to(torch.int32)
+        longest = int(torch.diff(cu).max())
+        causal_mod = masks.causal()
+
+        def varlen(**kw):
+            return lambda q_, k_, v_: cute_attn.mha_varlen(q_[0], k_[0], v_[0], cu, cu, longest, longest, **kw)[None]
+
+        forwards["cute_attn_varlen"] = varlen(causal=True)
+        forwards["cute_attn_varlen_mod"] = varlen(mask_mod=causal_mod)
     forwards = {n: f for n, f in forwards.items() if n in impls or n == "cute_attn_causal"}
     rec["errors"] = {}
     for direction in directions:
@@ -182,7 +199,8 @@ def run_case(c, rounds, impls, directions=("fwd", "bwd")):
         if rec.get(f"{prefix}cute_attn_tflops") and rec.get(f"{prefix}cute_attn_causal_tflops"):
             rec[f"{prefix}tflops_vs_own_causal"] = rec[f"{prefix}cute_attn_tflops"] / rec[f"{prefix}cute_attn_causal_tflops"]
         line = f"{direction} {c['case']:38s} skip {rec['tiles_skipped']:.2f}"
-        for name in ("cute_attn", "flex", "sdpa_dense_mask", "cute_attn_causal"):
+        for name in ("cute_attn", "flex", "sdpa_dense_mask", "cute_attn_causal", "cute_attn_varlen",
+                     "cute_attn_varlen_mod"):
             if f"{prefix}{name}_ms" in rec:
                 line += f"  {name} {1e3 * rec[prefix + name + '_ms']:.0f} us {rec[prefix + name + '_tflops']:.0f} TF/s"
         line += f"  vs flex {rec.get(prefix + 'speedup_vs_flex', float('nan')):.2f}x"
@@ -196,8 +214,8 @@ def run_case(c, rounds, impls, directions=("fwd", "bwd")):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", type=lambda t: harness.parse_names(t, CASE_GROUPS), default=list(CASE_GROUPS))
-    p.add_argument("--impls", type=lambda t: harness.parse_names(t, ("cute_attn", "flex", "sdpa_dense_mask")),
-                   default=["cute_attn", "flex", "sdpa_dense_mask"])
+    impls = ("cute_attn", "flex", "sdpa_dense_mask", "cute_attn_varlen", "cute_attn_varlen_mod")
+    p.add_argument("--impls", type=lambda t: harness.parse_names(t, impls), default=list(impls))
     p.add_argument("--directions", type=lambda t: harness.parse_names(t, ("fwd", "bwd")), default=["fwd", "bwd"])
     p.add_argument("--rounds", type=harness.parse_positive_int, default=3)
     p.add_argument("--out", type=Path, default=None)
