@@ -73,7 +73,7 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
     score -inf) gets out = 0 and lse = -inf, and autograd gives it finite, zero
     gradients: nothing on the way is exp(-inf - -inf), log(0) or 0 / 0. offset_q,
     offset_k, first_batch: the entry's place in a packed batch (the mods see global
-    indices and the sequence's index as b; attention_ref_varlen_mod passes them).
+    indices and the sequence's index as b).
     sink: (heads,) attention-sink logits, one more term e^sink in each row's denominator
     (a key with a zero value vector that every query sees; differentiable).
     dropout_keep: bool (batch, heads, seqlen_q, seqlen_k), the pairs dropout keeps
@@ -131,38 +131,12 @@ def attention_ref_mod(q, k, v, *, mask_mod=None, score_mod=None, softmax_scale=N
 # ----------------------------------------------------------------------------------------
 
 
-def attention_ref_varlen_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
-    """attention_ref_mod over a packed batch (mha_varlen's layout: q (total_q, heads, d),
-    k, v (total_k, heads_kv, d)), one sequence at a time with the indices the kernels give
-    the mods (global, b = the sequence's index). Returns (out (total_q, heads, d), lse
-    (heads, total_q)) in float32; rows of a sequence without keys get 0 and -inf (the sink
-    with sink=). Not for dropout: each sequence draws its own mask (dropout_mask's entry
-    b), which one dropout_keep cannot carry."""
-    if "dropout_keep" in kwargs:
-        raise ValueError("attention_ref_varlen_mod takes no dropout_keep: call attention_ref_mod per sequence "
-                         "with that sequence's mask")
-    offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    out = q.new_zeros(q.shape, dtype=torch.float32)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    for b in range(len(offsets_q) - 1):
-        rq, rk = slice(offsets_q[b], offsets_q[b + 1]), slice(offsets_k[b], offsets_k[b + 1])
-        if rq.start == rq.stop:
-            continue
-        if rk.start == rk.stop:
-            if kwargs.get("sink") is not None:  # the sink alone in every row's denominator
-                lse[:, rq] = kwargs["sink"].float()[:, None]
-            continue
-        o, l = attention_ref_mod(q[rq][None], k[rk][None], v[rk][None], offset_q=rq.start, offset_k=rk.start,
-                                 first_batch=b, **kwargs)
-        out[rq] = o[0]
-        lse[:, rq] = l[0]
-    return out, lse
-
-
-def block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device=None):
+def block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device=None, offset_q=0, offset_k=0,
+               first_batch=0):
     """Classify every (query tile, KV tile): int8 (batch, heads, ceil(seqlen_q / tile_m),
     ceil(seqlen_k / tile_n)) of EMPTY (0: no visible pair), PARTIAL (1) or FULL (2:
-    every pair visible).
+    every pair visible). offset_q, offset_k, first_batch: a packed sequence's place, as
+    dense_mask takes it.
 
     Tiles cut by the end of a sequence are judged on their in-bounds pairs only: such a
     tile is FULL when every in-bounds pair is visible. FULL thus means "the mask mod
@@ -175,7 +149,8 @@ def block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, devic
     if tile_m < 1 or tile_n < 1:
         raise ValueError(f"tile sizes must be >= 1, got ({tile_m}, {tile_n})")
     tiles_m, tiles_n = math.ceil(seqlen_q / tile_m), math.ceil(seqlen_k / tile_n)
-    visible = dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device).to(torch.int32)
+    visible = dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, device, offset_q, offset_k,
+                         first_batch).to(torch.int32)
     # Pad both sequences to whole tiles with invisible pairs, then count per tile.
     padded = torch.nn.functional.pad(
         visible, (0, tiles_n * tile_n - seqlen_k, 0, tiles_m * tile_m - seqlen_q)

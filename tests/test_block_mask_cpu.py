@@ -132,10 +132,9 @@ VARLEN_CASES = [
 
 
 def _varlen_expected(mod, lengths_q, lengths_k, heads, tile):
-    """Per sequence, the dense reference's classes at its own lengths with its global
-    indices and index b, padded with EMPTY to the longest sequence's tiles."""
-    from cute_attn.mask_reference import dense_mask
-
+    """Per sequence, the reference's classes at its own lengths with its global indices
+    and index b (the kernel's view: a cut last KV tile is never FULL), padded with EMPTY
+    to the longest sequence's tiles."""
     tm, tn = tile
     oq, ok = [0], [0]
     for a, c in zip(lengths_q, lengths_k):
@@ -144,15 +143,9 @@ def _varlen_expected(mod, lengths_q, lengths_k, heads, tile):
     tiles_m, tiles_n = math.ceil(max(lengths_q) / tm), math.ceil(max(lengths_k) / tn)
     out = torch.zeros(len(lengths_q), heads, tiles_m, tiles_n, dtype=torch.int8)
     for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
-        if not (lq and lk):
-            continue
-        visible = dense_mask(mod, 1, heads, lq, lk, None, oq[b], ok[b], b)[0]
-        for m in range(math.ceil(lq / tm)):
-            for n in range(math.ceil(lk / tn)):
-                block = visible[:, m * tm:(m + 1) * tm, n * tn:(n + 1) * tn]
-                full = block.all(-1).all(-1) & ((n + 1) * tn <= lk)  # a cut last KV tile is never FULL
-                out[b, :, m, n] = torch.where(full, FULL, torch.where(block.any(-1).any(-1),
-                                                                                      PARTIAL, EMPTY))
+        if lq and lk:
+            classes = reference_classes(mod, 1, heads, lq, lk, tm, tn, None, oq[b], ok[b], b)
+            out[b, :, :math.ceil(lq / tm), :math.ceil(lk / tn)] = _kernel_view(classes, lk, tn)[0]
     return out, (tuple(oq), tuple(ok))
 
 

@@ -271,65 +271,62 @@ def test_opcheck_varlen_mods():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+VARLEN_BATCHES = ([300, 17], [5, 0, 411], [129, 128, 257, 64])
+
+
+def _compiled_varlen_equals_eager(attend, make_extra, seed):
+    """attend(q, k, v, cu_q, cu_k, max_q, max_k, extra) under inductor (fullgraph, dynamic)
+    against eager over VARLEN_BATCHES: one compile; out, dk and dv bit for bit, dq (its dQ
+    sums land in another order) to rounding. make_extra(lengths) gives the last argument;
+    one that requires grad gets an eager twin, and its gradient (a reduction inductor fuses
+    its own way) is compared to rounding too."""
+    recorder = _Recorder()
+    compiled = torch.compile(attend, backend=recorder, fullgraph=True, dynamic=True)
+    for i, lengths in enumerate(VARLEN_BATCHES):
+        q, k, v, cu_q, cu_k = _packed_qkv(lengths, lengths, 4, 2, 128, seed=seed + i, requires_grad=True)
+        extra = make_extra(lengths)
+        differentiable = isinstance(extra, torch.Tensor) and extra.requires_grad
+        leaves = (q, k, v, extra) if differentiable else (q, k, v)
+        twins = [t.detach().clone().requires_grad_() for t in leaves]
+        offsets = (cu_q, cu_k, max(lengths), max(lengths))
+        out = compiled(q, k, v, *offsets, extra)
+        out2 = attend(*twins[:3], *offsets, twins[3] if differentiable else extra)
+        dout = _rand(*out.shape, seed=seed + 10 + i)
+        out.backward(dout)
+        out2.backward(dout)
+        assert torch.equal(out, out2)
+        assert torch.equal(k.grad, twins[1].grad) and torch.equal(v.grad, twins[2].grad)
+        torch.testing.assert_close(q.grad, twins[0].grad, rtol=1e-2, atol=1e-2)
+        if differentiable:
+            torch.testing.assert_close(extra.grad, twins[3].grad, rtol=1e-4, atol=1e-4)
+    assert set(recorder.compile_ids) == {(0, 0)}, recorder.compile_ids
+
+
 def test_compiled_varlen_sink_and_dropout_equal_eager(fresh_dynamo):
     """mha_varlen with a learnable sink and dropout (a given seed: inductor draws its own
-    random numbers) under inductor, fullgraph and dynamic: three batches of lengths, one
-    compile; out, dk and dv equal eager's bit for bit, dq (atomics) and the sink's
-    gradient (a reduction inductor fuses its own way) to rounding."""
-    recorder = _Recorder()
+    random numbers) under inductor: _compiled_varlen_equals_eager, the sink's gradient too."""
     seed = torch.tensor([21, -4], dtype=torch.int32, device="cuda")
 
     def attend(q, k, v, cu_q, cu_k, max_q, max_k, sink):
         return cute_attn.mha_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, learnable_sink=sink,
                                     dropout_p=0.15, dropout_seed=seed, check_cu_seqlens=False) * 1.0
 
-    compiled = torch.compile(attend, backend=recorder, fullgraph=True, dynamic=True)
-    for i, lengths in enumerate(([300, 17], [5, 0, 411], [129, 128, 257, 64])):
-        q, k, v, cu_q, cu_k = _packed_qkv(lengths, lengths, 4, 2, 128, seed=40 + i, requires_grad=True)
-        sink = (torch.randn(4, device="cuda") * 2).requires_grad_()
-        leaves = (q, k, v, sink)
-        twins = [t.detach().clone().requires_grad_() for t in leaves]
-        offsets = (cu_q, cu_k, max(lengths), max(lengths))
-        out = compiled(*leaves[:3], *offsets, sink)
-        out2 = attend(*twins[:3], *offsets, twins[3])
-        dout = _rand(*out.shape, seed=50 + i)
-        out.backward(dout)
-        out2.backward(dout)
-        assert torch.equal(out, out2)
-        assert torch.equal(k.grad, twins[1].grad) and torch.equal(v.grad, twins[2].grad)
-        torch.testing.assert_close(q.grad, twins[0].grad, rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(sink.grad, twins[3].grad, rtol=1e-4, atol=1e-4)
-    assert set(recorder.compile_ids) == {(0, 0)}, recorder.compile_ids
+    _compiled_varlen_equals_eager(attend, lambda lengths: (torch.randn(4, device="cuda") * 2).requires_grad_(), 40)
 
 
 def test_compiled_varlen_document_mask_equals_eager(fresh_dynamo):
     """mha_varlen with a packed document mask (made outside the compiled function, a new
-    one per batch) under inductor, fullgraph and dynamic: three batches of lengths, one
-    compile; out, dk and dv equal eager's bit for bit, dq (its dQ sums land in another
-    order) to rounding."""
+    one per batch) under inductor: _compiled_varlen_equals_eager."""
     from cute_attn import masks
-
-    recorder = _Recorder()
 
     def attend(q, k, v, cu_q, cu_k, max_q, max_k, mod):
         return cute_attn.mha_varlen(q, k, v, cu_q, cu_k, max_q, max_k, mask_mod=mod, check_cu_seqlens=False) * 1.0
 
-    compiled = torch.compile(attend, backend=recorder, fullgraph=True, dynamic=True)
-    for i, lengths in enumerate(([300, 17], [5, 0, 411], [129, 128, 257, 64])):
-        q, k, v, cu_q, cu_k = _packed_qkv(lengths, lengths, 4, 2, 128, seed=60 + i, requires_grad=True)
+    def document(lengths):
         ids = torch.cat([torch.arange(n, device="cuda") * 3 // max(n, 1) + 10 * b for b, n in enumerate(lengths)])
-        mod = masks.document(ids.to(torch.int32), causal=True)
-        twins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        offsets = (cu_q, cu_k, max(lengths), max(lengths))
-        out = compiled(q, k, v, *offsets, mod)
-        out2 = attend(*twins, *offsets, mod)
-        dout = _rand(*out.shape, seed=70 + i)
-        out.backward(dout)
-        out2.backward(dout)
-        assert torch.equal(out, out2)
-        assert torch.equal(k.grad, twins[1].grad) and torch.equal(v.grad, twins[2].grad)
-        torch.testing.assert_close(q.grad, twins[0].grad, rtol=1e-2, atol=1e-2)
-    assert set(recorder.compile_ids) == {(0, 0)}, recorder.compile_ids
+        return masks.document(ids.to(torch.int32), causal=True)
+
+    _compiled_varlen_equals_eager(attend, document, 60)
 
 
 # ----------------------------------------------------------------------------------------
