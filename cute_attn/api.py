@@ -433,8 +433,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
             CUDA-graph capture needs the block masks built before it (a warm-up call,
             forward and backward: the backward builds its own transposed one), and a
             replay must keep the offsets they were built for (new lengths in the same
-            offsets tensor would meet a stale mask; the kernels never read past its
-            lists). Under torch.compile pass none (a traced call cannot check one
+            offsets tensor would meet a stale mask, and a sequence longer than any it
+            was built for would send the kernel past its lists). Under torch.compile pass none (a traced call cannot check one
             against the offsets: NotImplementedError); the op builds and caches it.
         Everything else as in `mha` (FP8 too: descales (batch, nheads_kv) with batch the
             number of sequences); masks are bottom-right aligned per sequence.

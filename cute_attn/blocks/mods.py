@@ -117,17 +117,10 @@ class BlockList(Staged):
 
     def __init__(self, sparse: tuple, batch: Int32, head: Int32, major: Int32):
         partial_count, partial_idx, full_count, full_idx = sparse[:4]  # the backward's fifth: dQ turns
-        # a tile past the lists' rows visits nothing: a packed batch's lists are sized by
-        # the longest sequence when they were built, and a CUDA graph replayed with longer
-        # sequences in the same offsets tensor must not read past them (its mask is stale
-        # then, see mha_varlen's block_mask; never out of bounds)
-        rows = partial_count.shape[2]
-        row = cutlass.min(major, rows - 1)
-        inside = cutlass.min(cutlass.max(rows - major, 0), 1)  # 1 if major < rows else 0, in integers
-        self.num_partial = partial_count[batch, head, row] * inside
-        self.count = self.num_partial + full_count[batch, head, row] * inside
-        self.partial = partial_idx[batch, head, row, None]
-        self.full = full_idx[batch, head, row, None]
+        self.num_partial = partial_count[batch, head, major]
+        self.count = self.num_partial + full_count[batch, head, major]
+        self.partial = partial_idx[batch, head, major, None]
+        self.full = full_idx[batch, head, major, None]
         self.last = partial_idx.shape[3] - 1
 
     @cute.jit
