@@ -264,6 +264,12 @@ class FwdConfig(_WarpSpecialized):
     # converted to e4m3 while block j-1's PV WGMMA still reads the other one (the bulk of
     # unmasked blocks, taken in pairs); off: the conversion waits for that WGMMA.
     p_double_buffer: bool = False
+    # A persistent grid of this many CTAs (the GPU's SM count: one CTA fills an SM), each
+    # looping over work tiles (blocks/tile_scheduler.py), so that a tile's epilogue runs
+    # while the next tile's K, V and Q load; 0: one tile per CTA. O gets a shared buffer
+    # of its own (it no longer aliases Q, whose next tile may be landing). Dense 16-bit
+    # batches only: no varlen, split-KV, paged cache or packed GQA.
+    persistent_ctas: int = 0
 
     @property
     def kv_box_rows(self) -> int:
@@ -286,6 +292,8 @@ class FwdConfig(_WarpSpecialized):
             raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16, got {self.tile_n}")
+        if self.persistent_ctas < 0:
+            raise ValueError(f"persistent_ctas must be >= 0, got {self.persistent_ctas}")
         if self.page_size and (self.page_size % 8 or (self.page_size % self.tile_n and self.tile_n % self.page_size)):
             # a box of whole 8-row swizzle atoms, nested with the block: see paged_tile_n
             raise ValueError(f"page_size must be 0, or a multiple of 8 that divides tile_n ({self.tile_n}) "

@@ -780,7 +780,9 @@ def _split_kernel(q, features: AttnFeatures, config: FwdConfig):
     head_dim = q.shape[-1]
     fn = _split_kernels.get((q.dtype, head_dim, features, config))
     if fn is None:
-        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, dataclasses.replace(config, split_kv=True))
+        # a split grid is sized to fill the GPU already: never persistent
+        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features,
+                     dataclasses.replace(config, split_kv=True, persistent_ctas=0))
         fn = _split_kernels.setdefault((q.dtype, head_dim, features, config), get_fwd_kernel(key))
     return fn
 

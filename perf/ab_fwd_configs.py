@@ -9,7 +9,9 @@ different block order is ~1e-3 on these inputs, a wrong kernel is O(1)).
                                    [--variants n144,n176,s3] [--causal 0,1]
 
 A variant name is a field and a value, applied to the default: n<keys> (tile_n),
-m<rows> (tile_m), s<stages> (num_stages).
+m<rows> (tile_m), s<stages> (num_stages), p<ctas> (persistent_ctas: 132 on an H100 SXM or
+H200). `copy` is the default itself timed again under another name: the same-config
+spread of a run, the noise floor against which the other variants' ratios are read.
 """
 import argparse
 import dataclasses
@@ -21,10 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages"}
+FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages", "p": "persistent_ctas"}
 
 
 def variant(base, name: str):
+    if name == "copy":
+        return base
     return dataclasses.replace(base, **{FIELDS[name[0]]: int(name[1:])})
 
 
@@ -47,7 +51,7 @@ def main(argv=None) -> int:
             base = fwd_config_for(d, features)
             configs = {"default": base}
             for name in args.variants.split(","):
-                if variant(base, name) not in configs.values():  # the default under another name
+                if name == "copy" or variant(base, name) not in configs.values():  # not the default renamed
                     configs[name] = variant(base, name)
             run_args = launcher.RunArgs(softmax_scale=d ** -0.5)
             for s in args.seqlens:

@@ -323,6 +323,32 @@ def test_split_kv_forward_compiles_and_writes_fp32_partials(mask, pack):
         assert m and int(m.group(1)) == 0, report
 
 
+@pytest.mark.parametrize("head_dim, mask", [(64, "none"), (128, "none"), (128, "causal")])
+def test_persistent_forward_compiles_with_a_tile_loop(head_dim, mask):
+    """FwdConfig.persistent_ctas: spill-free, no warpgroup.arrive injected by ptxas, and
+    a loop over work tiles, which steps by the grid's size (nctaid.x): the one-tile grid
+    of the same features never reads it."""
+    import dataclasses
+
+    from cute_attn import launcher
+    from cute_attn.config import fwd_config_for
+
+    features = AttnFeatures(mask=mask)
+    base = fwd_config_for(head_dim, features)
+    persistent = launcher.compile_fwd(
+        launcher.FwdKey("bf16", head_dim, features, dataclasses.replace(base, persistent_ctas=132)), "--keep-ptx"
+    ).__ptx__
+    assert "%nctaid.x" in persistent
+    if mask == "none":
+        single = launcher.compile_fwd(launcher.FwdKey("bf16", head_dim, features, base), "--keep-ptx").__ptx__
+        assert "%nctaid.x" not in single
+    report = ptx_tool.ptxas_report(persistent)
+    if "ptxas not found" not in report:
+        m = re.search(r"(\d+) bytes spill stores", report)
+        assert m and int(m.group(1)) == 0, report
+        assert "C7519" not in report
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_split_forward_merges_its_tiles_in_kernel(dtype, varlen):

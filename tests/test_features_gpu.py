@@ -253,3 +253,37 @@ def test_split_d_backward(case, dq_path, monkeypatch):
         g2 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(g1, g2)), "deterministic split_d gradients differ"
         check_grads(case, q, k, v, cu, dout, g1)
+
+
+# Persistent forward grids (config.FwdConfig.persistent_ctas): a few CTAs walking many
+# tiles each, so every ring (Q, K, V) and the ping-pong turns run on across tiles; tiles
+# with no visible key (sq > sk, causal) sit between tiles with keys.
+PERSISTENT_CASES = [
+    Case(d=128, h=4, h_kv=4, sq=1000, sk=1000),
+    Case(d=128, h=8, h_kv=2, causal=True, sq=1000, sk=777),
+    Case(FP16, 128, h=4, h_kv=1, softcap=20.0, window=(100, 30), sq=555, sk=700),
+    Case(d=64, h=4, h_kv=4, sq=1000, sk=129),
+    Case(d=64, h=8, h_kv=2, causal=True, sq=700, sk=1000),
+]
+
+
+@pytest.mark.parametrize("ctas", [5, 132])
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=str)
+def test_persistent_forward(case, ctas):
+    """The default tiles with a persistent grid of `ctas` CTAs (5: each walks 6-40 tiles;
+    132: an H100's / H200's SMs, at most one tile each here), run through
+    launcher.run_fwd with the config forced: the accuracy rule of every forward test."""
+    import dataclasses
+
+    from cute_attn import api, config, launcher
+
+    def persistent_kernel(case, q, k, v, cu, return_lse):
+        features, run_args = api._features_and_args(case.causal, case.window, case.softcap, case.scale)
+        forced = dataclasses.replace(config.fwd_config_for(case.d, features), persistent_ctas=ctas)
+        return launcher.run_fwd(q, k, v, features, run_args, forced, num_splits=1)
+
+    q, k, v, _, cu = make_inputs(case, seed=5)
+    if case.softcap:
+        assert_cap_bites(case, q, k)
+    out, lse = run_forward(case, q, k, v, cu, kernel=persistent_kernel)
+    check_forward(case, q, k, v, cu, out, lse)

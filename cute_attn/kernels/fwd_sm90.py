@@ -186,7 +186,10 @@ class FlashFwdSm90:
         # FP8 (e4m3) operands: V transposed, P permuted into the FP8 A layout, descales;
         # the 16-bit output tile needs its own shared buffer (twice Q's bytes)
         self.fp8 = dtypes.input.itemsize == 1
-        self.o_aliases_q = dtypes.output.itemsize == dtypes.input.itemsize
+        # persistent: the next tile's Q may land while this tile's O is stored, so O gets
+        # a buffer of its own (FwdConfig.persistent_ctas)
+        self.persistent = config.persistent_ctas > 0
+        self.o_aliases_q = dtypes.output.itemsize == dtypes.input.itemsize and not self.persistent
         self.p_dtype = dtypes.dsl("p")
         self.out_dtype = dtypes.dsl("output")
         self.head_dim = head_dim
@@ -212,7 +215,8 @@ class FlashFwdSm90:
         assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
         # causal-like masks: the last query blocks see the most keys, so they go first
         self.scheduler = TileScheduler(
-            self.tile_m, features.varlen, longest_first=features.causal_like, runtime_splits=config.split_kv
+            self.tile_m, features.varlen, longest_first=features.causal_like, runtime_splits=config.split_kv,
+            persistent_ctas=config.persistent_ctas,
         )
 
     @cute.jit
@@ -366,7 +370,35 @@ class FlashFwdSm90:
             row_lse=storage.row_lse.get_tensor(cute.make_layout(self.tile_m)),
         )
 
-        tile = self.scheduler.tile(num_splits)
+        window = Window(self.features.mask, window_left, window_right)
+        block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa, self.split_kv, num_splits)
+        pipeline_init_wait()
+
+        if cutlass.const_expr(self.persistent):
+            self.run_persistent(g, layouts, smem, pipes, block_range, window, score, warp_idx, tidx)
+        else:
+            tile = self.scheduler.tile(num_splits)
+            seqlen = self.seqlen_info(g, tile)
+            # varlen: the grid covers the longest sequence; a tile past this one's end has
+            # no rows (uniform across the CTA, so no barrier is left waiting)
+            if not self.features.varlen or tile.block * self.tile_m < seqlen.seqlen_q:
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    if warp_idx == 0:
+                        self.produce(g, smem, pipes, tile, block_range, seqlen,
+                                     pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                                     pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                                  self.num_stages))
+                else:
+                    cute.arch.setmaxregister_increase(self.mma_regs)
+                    self.consume(g, layouts, smem, pipes, tile, block_range, seqlen, window, score, tidx - 128,
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                              self.num_stages))
+
+    @cute.jit
+    def seqlen_info(self, g: FwdGlobals, tile: WorkTile) -> SeqlenInfo:
+        """The lengths and offsets of the tile's sequence (batch entry)."""
         mQ, mK = g.q.tensor, g.k.tensor
         # packed GQA: the row mode is (group, seqlen_q); the sequence is its second part
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack_gqa > 1) else mQ.shape[0]
@@ -374,24 +406,48 @@ class FlashFwdSm90:
         capacity_k = mK.shape[0]
         if cutlass.const_expr(self.page_size > 0):
             capacity_k = g.page_table.shape[1] * self.page_size
-        seqlen = SeqlenInfo(
+        return SeqlenInfo(
             tile.batch, seqlen_q, capacity_k, g.cu_seqlens_q, g.cu_seqlens_k, self.features.varlen,
             kv_lengths=self.features.kv_lengths,
         )
-        window = Window(self.features.mask, window_left, window_right)
-        block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa, self.split_kv, num_splits)
-        pipeline_init_wait()
 
-        # varlen: the grid covers the longest sequence; a tile past this one's end has no
-        # rows (uniform across the CTA, so no barrier is left waiting)
-        if not self.features.varlen or tile.block * self.tile_m < seqlen.seqlen_q:
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
-                    self.produce(g, smem, pipes, tile, block_range, seqlen)
-            else:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                self.consume(g, layouts, smem, pipes, tile, block_range, seqlen, window, score, tidx - 128)
+    @cute.jit
+    def run_persistent(self, g: FwdGlobals, layouts: FwdLayouts, smem: FwdSmem, pipes: FwdPipelines,
+                       block_range: BlockRange, window: Window, score: ScoreScale, warp_idx, tidx):
+        """Persistent grid (FwdConfig.persistent_ctas): the producer and the consumers each
+        walk the CTA's work tiles (blocks/tile_scheduler.py) in the same order, their
+        pipeline states running on from tile to tile, so the producer's loads of the next
+        tile (K first, then Q once every consumer is done with this tile's Q) overlap the
+        consumers' last block and epilogue."""
+        tiles = self.scheduler.work_tiles(g.q.tensor, None, None)
+        num_tiles = tiles[0] * tiles[1] * tiles[2]
+        index = self.scheduler.first_index()
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                while index < num_tiles:
+                    tile = self.scheduler.tile_at(index, tiles)
+                    q_state, kv_state = self.produce(g, smem, pipes, tile, block_range, self.seqlen_info(g, tile),
+                                                     q_state, kv_state)
+                    index = self.scheduler.next_index(index)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            tidx = tidx - 128
+            if cutlass.const_expr(self.pingpong):
+                if tidx // 128 == 0:
+                    # warpgroup 0 takes the first turn of the first tile; each later tile's
+                    # first turn is the last warpgroup's pass at the end of the one before
+                    # (every warpgroup takes the same number of turns per tile)
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.WG_TURN_0), number_of_threads=256)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            while index < num_tiles:
+                tile = self.scheduler.tile_at(index, tiles)
+                q_state, kv_state = self.consume(g, layouts, smem, pipes, tile, block_range, self.seqlen_info(g, tile),
+                                                 window, score, tidx, q_state, kv_state)
+                index = self.scheduler.next_index(index)
 
     # ------------------------------------------------------------------------------------
     # Producer: one warp, TMA only
@@ -399,17 +455,18 @@ class FlashFwdSm90:
     @cute.jit
     def produce(
         self, g: FwdGlobals, smem: FwdSmem, pipes: FwdPipelines, tile: WorkTile,
-        block_range: BlockRange, seqlen: SeqlenInfo,
+        block_range: BlockRange, seqlen: SeqlenInfo, q_state, kv_state,
     ):
+        """One tile's loads, from the Q and K/V ring positions q_state and kv_state;
+        returns both advanced past this tile's stages (persistent grids walk on)."""
         m_block, head = tile.block, tile.head
         # GQA / MQA: a group of heads_q / heads_kv query heads shares one KV head
         head_kv = head // (g.q.tensor.shape[2] // g.k.tensor.shape[2])
         d = self.head_dim
         gQ = cute.local_tile(seqlen.rows_q(g.q.tensor, head), (self.tile_m, d), (m_block, 0))
         tQsQ, tQgQ = tma_partition(g.q, smem.q, gQ)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipes.q.producer_acquire(q_state)
-        cute.copy(g.q.atom, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+        if cutlass.const_expr(not self.persistent):
+            self.load_q(g, tQgQ, tQsQ, pipes.q, q_state)
 
         if cutlass.const_expr(self.page_size > 0):
             # (box, stage-slot, 1, stages) and (box, box-in-page, 1, page): a block is
@@ -429,12 +486,19 @@ class FlashFwdSm90:
             tVsV, tVgV = tma_partition(g.v, smem.v, gV)
 
         blocks, n_block_max, count = self.kv_blocks(g, tile, block_range, seqlen)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         load_k = (g, seqlen, g.k.atom, tKgK, tKsK, pipes.k)
         load_v = (g, seqlen, g.v.atom, tVgV, tVsV, pipes.v)
+        if cutlass.const_expr(self.persistent):
+            # the first K block's stage frees during this CTA's previous tile; Q's buffer
+            # only once every consumer has issued that tile's last QK^T: K goes first
+            if count > 0:
+                self.load_kv(*load_k, kv_state, self.kv_block(blocks, n_block_max, 0))
+            self.load_q(g, tQgQ, tQsQ, pipes.q, q_state)
+            q_state.advance()
         if count > 0:
             prev_block = self.kv_block(blocks, n_block_max, 0)
-            self.load_kv(*load_k, kv_state, prev_block)
+            if cutlass.const_expr(not self.persistent):
+                self.load_kv(*load_k, kv_state, prev_block)
             if cutlass.const_expr(not self.intra_wg_overlap):
                 self.load_kv(*load_v, kv_state, prev_block)
             for i in cutlass.range(count - 1, unroll=1):
@@ -450,6 +514,14 @@ class FlashFwdSm90:
                 prev_block = n_block
             if cutlass.const_expr(self.intra_wg_overlap):
                 self.load_kv(*load_v, kv_state, prev_block)
+            kv_state.advance()
+        return q_state, kv_state
+
+    @cute.jit
+    def load_q(self, g: FwdGlobals, tQgQ, tQsQ, pipeline_q, q_state):
+        """The tile's Q into its one-stage buffer, once the consumers have released it."""
+        pipeline_q.producer_acquire(q_state)
+        cute.copy(g.q.atom, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
     @cute.jit
     def kv_blocks(self, g: FwdGlobals, tile: WorkTile, block_range: BlockRange, seqlen: SeqlenInfo):
@@ -526,8 +598,10 @@ class FlashFwdSm90:
     @cute.jit
     def consume(
         self, g: FwdGlobals, layouts: FwdLayouts, smem: FwdSmem, pipes: FwdPipelines, tile: WorkTile,
-        block_range: BlockRange, seqlen: SeqlenInfo, window: Window, score: ScoreScale, tidx,
+        block_range: BlockRange, seqlen: SeqlenInfo, window: Window, score: ScoreScale, tidx, q_state, kv_state,
     ):
+        """One tile from the Q and K/V ring positions q_state and kv_state; returns both
+        advanced past this tile's stages (persistent grids walk on)."""
         tiled_mma_qk, tiled_mma_pv = layouts.mma_qk, layouts.mma_pv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
@@ -575,18 +649,17 @@ class FlashFwdSm90:
             # one query head per tile (no packed GQA with dropout, config.pack_gqa_for)
             dropout = Dropout(g.dropout, tile.batch, tile.head)
         blocks, n_block_max, count = self.kv_blocks(g, tile, block_range, seqlen)
-        if cutlass.const_expr(self.pingpong):
+        if cutlass.const_expr(self.pingpong and not self.persistent):
             if wg_idx == 0:
-                # warpgroup 0 takes the first turn
+                # warpgroup 0 takes the first turn (persistent: once, run_persistent)
                 cute.arch.barrier_arrive(
                     barrier_id=int(NamedBarrier.WG_TURN_0), number_of_threads=256
                 )
 
         # Q must have landed even when no key is visible: sO below overwrites its buffer
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        # (persistent: the phases of Q's ring stay in step with the producer's)
         pipes.q.consumer_wait(q_state)
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # O's rescale by the latest row-max change, applied just before the next PV WGMMA
         pending_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
         if count > 0:
@@ -648,6 +721,10 @@ class FlashFwdSm90:
             if cutlass.const_expr(self.intra_wg_overlap):
                 softmax.rescale(acc_O, pending_scale)
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
+        if cutlass.const_expr(self.persistent):
+            # this warpgroup's QK^T WGMMAs have completed: Q's buffer may take the next tile
+            pipes.q.consumer_release(q_state)
+            q_state.advance()
 
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         sink_log2 = None
@@ -663,6 +740,7 @@ class FlashFwdSm90:
             self.merge_if_last(g, smem, tile, seqlen, block_range.num_splits, tidx)
         else:
             self.epilogue(acc_O, lse, g, smem.o, tiled_mma_pv, tidx, tile, seqlen)
+        return q_state, kv_state
 
     @cute.jit
     def mainloop_step(
@@ -801,8 +879,10 @@ class FlashFwdSm90:
         self, acc_O, lse, g: FwdGlobals, sO, tiled_mma_pv, tidx, tile: WorkTile, seqlen: SeqlenInfo,
     ):
         m_block, head = tile.block, tile.head
-        # sO is Q's buffer (16-bit): Q is dead once every warpgroup passed the barrier below;
-        # every warpgroup's last QK^T WGMMA must have read sQ before sO overwrites it
+        # sO is Q's buffer (16-bit, one tile per CTA): Q is dead once every warpgroup passed
+        # the barrier below; every warpgroup's last QK^T WGMMA must have read sQ before sO
+        # overwrites it. Persistent (sO its own buffer): the previous tile's TMA store
+        # has read sO (its warp waited before arriving here) before it is rewritten.
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         epilogue.acc_to_smem(acc_O, sO, tiled_mma_pv, tidx, self.out_dtype)
         # generic-proxy smem writes must be visible to the TMA (async proxy) that reads them
