@@ -340,6 +340,43 @@ def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1)
     return cfg if pack_gqa == 1 else dataclasses.replace(cfg, pack_gqa=pack_gqa)
 
 
+# Shared memory one CTA may take on sm_90 (227 KB), and what a forward kernel takes
+# besides its tiles (mbarriers, the split merge's row statistics, alignment padding)
+SM90_SMEM_BYTES = 227 * 1024
+FWD_SMEM_OVERHEAD = 2 * 1024
+
+
+def fwd_smem_bytes(config: FwdConfig, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of a 16-bit forward with this config: Q, the K and V rings, and an O
+    tile of its own when persistent (fwd_sm90: one tile per CTA writes O over Q)."""
+    tiles = config.tile_m * head_dim + 2 * config.num_stages * config.tile_n * head_dim
+    if config.persistent_ctas:
+        tiles += config.tile_m * head_dim
+    return tiles * itemsize + FWD_SMEM_OVERHEAD
+
+
+def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeatures,
+                         num_sms: Optional[int]) -> FwdConfig:
+    """The 16-bit forward's config with a persistent grid of num_sms CTAs where that
+    measured faster, else unchanged (None: no GPU to size it, the CPU compiles).
+
+    Measured on an H100 (perf/NOTES.md, session 17; perf/ab_fwd_configs.py, 5 rounds,
+    16K tokens, the default timed twice for the noise, which was within 1.6%): without a
+    mask, persistent / one tile per CTA = 1.070 / 1.006 / 1.011 at head dim 64 (1K / 4K /
+    16K keys) and 1.038 / 0.986 / 0.989 at 128: short tiles gain (a tile's epilogue and
+    the next one's first loads overlap), long ones are level. Causal tiles differ in cost
+    and the static round robin left CTAs idle: 0.63-0.95, so only unmasked dense batches
+    (no varlen, KV cache, mods, packed GQA or split-KV) take it, and only where O's own
+    tile fits in shared memory beside Q and the K/V rings (head dims up to 128)."""
+    eligible = (num_sms and features.mask == "none" and not features.varlen and not features.kv_lengths
+                and not features.mod_kernel and config.pack_gqa == 1 and not config.split_kv
+                and config.page_size == 0 and head_dim <= 128)
+    if not eligible:
+        return config
+    persistent = dataclasses.replace(config, persistent_ctas=num_sms)
+    return persistent if fwd_smem_bytes(persistent, head_dim) <= SM90_SMEM_BYTES else config
+
+
 def paged_tile_n(tile_n: int, page_size: int) -> int:
     """The KV block of a paged cache: the head dim's own when pages and blocks nest (one
     divides the other: a block is whole boxes of one page each), else 64, which nests with

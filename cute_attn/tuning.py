@@ -36,7 +36,7 @@ import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
-from cute_attn.config import AttnFeatures, FwdConfig, fwd_config_for
+from cute_attn.config import AttnFeatures, FwdConfig, fwd_config_for, with_persistent_grid
 
 TABLE_DIR = Path(__file__).resolve().parent / "tuned"  # the tables committed with the package
 ENV_DIR = "CUTE_ATTN_TUNED_DIR"
@@ -136,11 +136,22 @@ def default_fwd_config(dtype: str, head_dim: int, features: AttnFeatures, device
     """The forward's config for a call: this GPU's tuned one where the table has it (the
     unpacked, unpaged forwards), else config.fwd_config_for. The launcher and warmup
     both ask here, so warmup builds what calls look up."""
+    config = None
     if pack_gqa == 1 and page_size == 0:
-        tuned = tuned_fwd_config(gpu_name(device_index), dtype, head_dim, features)
-        if tuned is not None:
-            return tuned
-    return fwd_config_for(head_dim, features, pack_gqa, page_size)
+        config = tuned_fwd_config(gpu_name(device_index), dtype, head_dim, features)
+    if config is None:
+        config = fwd_config_for(head_dim, features, pack_gqa, page_size)
+    return with_persistent_grid(config, head_dim, features, gpu_sm_count(device_index))
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_sm_count(index: Optional[int] = None) -> Optional[int]:
+    """The CUDA device's SM count (the current device's for None), None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
 
 
 def candidates(head_dim: int, features: AttnFeatures, base: Optional[FwdConfig] = None) -> dict:
