@@ -270,6 +270,12 @@ class FwdConfig(_WarpSpecialized):
     # of its own (it no longer aliases Q, whose next tile may be landing). Dense 16-bit
     # batches only: no varlen, split-KV, paged cache or packed GQA.
     persistent_ctas: int = 0
+    # Persistent: a CTA's next tile comes from an atomic counter in global memory (tiles
+    # of unequal cost: causal masks), not from the fixed round robin (first tiles by CTA
+    # index, then one at a time as CTAs ask). The counter travels in the cu_seqlens_q
+    # slot, which a dense batch does not read (launcher._tile_queue); the kernel leaves
+    # it zero.
+    tile_queue: bool = False
 
     @property
     def kv_box_rows(self) -> int:
@@ -294,6 +300,8 @@ class FwdConfig(_WarpSpecialized):
             raise ValueError(f"tile_n must be a multiple of 16, got {self.tile_n}")
         if self.persistent_ctas < 0:
             raise ValueError(f"persistent_ctas must be >= 0, got {self.persistent_ctas}")
+        if self.tile_queue and not self.persistent_ctas:
+            raise ValueError("tile_queue needs a persistent grid (persistent_ctas > 0)")
         if self.page_size and (self.page_size % 8 or (self.page_size % self.tile_n and self.tile_n % self.page_size)):
             # a box of whole 8-row swizzle atoms, nested with the block: see paged_tile_n
             raise ValueError(f"page_size must be 0, or a multiple of 8 that divides tile_n ({self.tile_n}) "

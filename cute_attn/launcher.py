@@ -409,6 +409,8 @@ def run_fwd(
         return _run_fwd_split(q, k, v, features, args, plan, need_lse)
     out, lse = _outputs(q, features, need_lse)
     q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
+    if plan.tile_queue:
+        cu_q = _tile_queue(q.device)
     out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
     window_left, window_right = args.window
     plan.fn(q4, k4, v4, out4, lse3, cu_q, cu_k, _page_table(args, q.device), args.max_seqlen_q,
@@ -425,7 +427,7 @@ class FwdLaunch:
     kv_lengths and page_table are the call's own: a KV cache's lengths and pages."""
 
     __slots__ = ("fn", "device", "lse_shape", "sink", "placeholder", "page_table", "scalars", "workspace",
-                 "num_splits")
+                 "num_splits", "tile_queue")
 
     def __call__(self, q, k, v, need_lse: bool, kv_lengths=None, page_table=None):
         out = torch.empty_like(q)
@@ -441,7 +443,8 @@ class FwdLaunch:
         cu_k = unused if kv_lengths is None else kv_lengths
         pages = self.page_table if page_table is None else page_table
         if self.workspace is None:
-            self.fn(q, k, v, out, lse, unused, cu_k, pages, *self.scalars)
+            cu_q = _tile_queue(self.device) if self.tile_queue else unused
+            self.fn(q, k, v, out, lse, cu_q, cu_k, pages, *self.scalars)
         else:
             o_part, lse_part, counters = _split_workspace(self.device, *self.workspace)
             self.fn(q, k, v, out, lse, unused, cu_k, pages, o_part, lse_part, counters, *self.scalars,
@@ -466,6 +469,7 @@ def bind_fwd(q, k, features: AttnFeatures, args: RunArgs, num_splits: Optional[i
     launch.page_table = _unused_page_table(q.device)
     launch.scalars = (args.max_seqlen_q, args.softmax_scale, args.softcap) + tuple(args.window)
     launch.num_splits = plan.num_splits
+    launch.tile_queue = plan.tile_queue
     launch.workspace = None
     if plan.num_splits > 1:
         batch, seqlen_q, heads, head_dim = q.shape
@@ -636,6 +640,7 @@ class _Plan(NamedTuple):
     fn: object  # the compiled forward: split-KV's when num_splits > 1
     num_splits: int
     tiles: int  # split-KV: work tiles, one counter each (else 0)
+    tile_queue: bool = False  # a persistent grid's tile queue: its counter in the cu_seqlens_q slot
 
 
 # (q shape, k shape, dtype, device, features, config, num_splits asked, page-table width,
@@ -669,7 +674,7 @@ def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[Fwd
         return _Plan(_split_kernel(q, features, config), num_splits, _work_tiles(q, features, args, config))
     if fn is None:
         fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
-    return _Plan(fn, 1, 0)
+    return _Plan(fn, 1, 0, config.tile_queue)
 
 
 def _outputs(q, features: AttnFeatures, need_lse: bool):
@@ -713,6 +718,25 @@ def _placeholder(device, shape):
 
 def _unused_cu_seqlens(device):
     return _placeholder(device, (2,))
+
+
+# (device, raw stream) -> the tile queue's counter
+_tile_queues: dict = {}
+
+
+def _tile_queue(device):
+    """The counter of a persistent forward's tile queue (FwdConfig.tile_queue): int32
+    zeros, shaped like the cu_seqlens_q slot it travels in (only element 0 is used).
+    One per (device, stream) like the split workspace's counters, for the same reasons:
+    kernels on one stream run in order and each leaves it zero, two streams may run at
+    once; under CUDA graph capture the graph gets its own, zeroed by a memset it replays."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    counter = _tile_queues.get((device, stream))
+    if counter is None:
+        counter = _tile_queues[(device, stream)] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
 
 
 def _unused_page_table(device):
@@ -782,7 +806,7 @@ def _split_kernel(q, features: AttnFeatures, config: FwdConfig):
     if fn is None:
         # a split grid is sized to fill the GPU already: never persistent
         key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features,
-                     dataclasses.replace(config, split_kv=True, persistent_ctas=0))
+                     dataclasses.replace(config, split_kv=True, persistent_ctas=0, tile_queue=False))
         fn = _split_kernels.setdefault((q.dtype, head_dim, features, config), get_fwd_kernel(key))
     return fn
 

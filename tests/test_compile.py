@@ -323,11 +323,13 @@ def test_split_kv_forward_compiles_and_writes_fp32_partials(mask, pack):
         assert m and int(m.group(1)) == 0, report
 
 
-@pytest.mark.parametrize("head_dim, mask", [(64, "none"), (128, "none"), (128, "causal")])
-def test_persistent_forward_compiles_with_a_tile_loop(head_dim, mask):
+@pytest.mark.parametrize("head_dim, mask, tile_queue", [(64, "none", False), (128, "none", False),
+                                                        (128, "causal", True), (64, "causal", True)])
+def test_persistent_forward_compiles_with_a_tile_loop(head_dim, mask, tile_queue):
     """FwdConfig.persistent_ctas: spill-free, no warpgroup.arrive injected by ptxas, and
     a loop over work tiles, which steps by the grid's size (nctaid.x): the one-tile grid
-    of the same features never reads it."""
+    of the same features never reads it. With the tile queue: one atomic add (the
+    ticket) and the NEXT_TILE hand-off between the producer warp and the consumers."""
     import dataclasses
 
     from cute_attn import launcher
@@ -335,10 +337,12 @@ def test_persistent_forward_compiles_with_a_tile_loop(head_dim, mask):
 
     features = AttnFeatures(mask=mask)
     base = fwd_config_for(head_dim, features)
-    persistent = launcher.compile_fwd(
-        launcher.FwdKey("bf16", head_dim, features, dataclasses.replace(base, persistent_ctas=132)), "--keep-ptx"
-    ).__ptx__
+    config = dataclasses.replace(base, persistent_ctas=132, tile_queue=tile_queue)
+    persistent = launcher.compile_fwd(launcher.FwdKey("bf16", head_dim, features, config), "--keep-ptx").__ptx__
     assert "%nctaid.x" in persistent
+    handoff = 32 + 128 * config.num_mma_warpgroups
+    assert (len(re.findall(r"atom(\.relaxed)?(\.gpu)?\.global\.add", persistent)) == 1) == tile_queue
+    assert (f"bar.arrive %r" in persistent and f", {handoff};" in persistent) == tile_queue
     if mask == "none":
         single = launcher.compile_fwd(launcher.FwdKey("bf16", head_dim, features, base), "--keep-ptx").__ptx__
         assert "%nctaid.x" not in single

@@ -267,23 +267,28 @@ PERSISTENT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("tile_queue", [False, True], ids=["round_robin", "queue"])
 @pytest.mark.parametrize("ctas", [5, 132])
 @pytest.mark.parametrize("case", PERSISTENT_CASES, ids=str)
-def test_persistent_forward(case, ctas):
+def test_persistent_forward(case, ctas, tile_queue):
     """The default tiles with a persistent grid of `ctas` CTAs (5: each walks 6-40 tiles;
-    132: an H100's / H200's SMs, at most one tile each here), run through
-    launcher.run_fwd with the config forced: the accuracy rule of every forward test."""
+    132: an H100's / H200's SMs, at most one tile each here), tiles by round robin or
+    from the tile queue, run through launcher.run_fwd with the config forced: the
+    accuracy rule of every forward test. The queue is called twice, so the second call
+    needs the counter the first left at zero (else it skips tiles: poisoned rows)."""
     import dataclasses
 
     from cute_attn import api, config, launcher
 
     def persistent_kernel(case, q, k, v, cu, return_lse):
         features, run_args = api._features_and_args(case.causal, case.window, case.softcap, case.scale)
-        forced = dataclasses.replace(config.fwd_config_for(case.d, features), persistent_ctas=ctas)
+        forced = dataclasses.replace(config.fwd_config_for(case.d, features), persistent_ctas=ctas,
+                                     tile_queue=tile_queue)
         return launcher.run_fwd(q, k, v, features, run_args, forced, num_splits=1)
 
     q, k, v, _, cu = make_inputs(case, seed=5)
     if case.softcap:
         assert_cap_bites(case, q, k)
-    out, lse = run_forward(case, q, k, v, cu, kernel=persistent_kernel)
-    check_forward(case, q, k, v, cu, out, lse)
+    for _ in range(2 if tile_queue else 1):
+        out, lse = run_forward(case, q, k, v, cu, kernel=persistent_kernel)
+        check_forward(case, q, k, v, cu, out, lse)

@@ -173,6 +173,8 @@ def test_persistent_grid_only_where_it_measured_faster(monkeypatch):
     deep = dataclasses.replace(fwd_config_for(128, AttnFeatures()), num_stages=3)
     assert with_persistent_grid(deep, 128, AttnFeatures(), 132) == deep
     assert with_persistent_grid(fwd_config_for(128, AttnFeatures()), 128, AttnFeatures(), None).persistent_ctas == 0
+    with pytest.raises(ValueError, match="tile_queue needs a persistent grid"):
+        dataclasses.replace(fwd_config_for(128, AttnFeatures()), tile_queue=True)
 
 
 def test_cli_lists_candidates_without_a_gpu(capsys):

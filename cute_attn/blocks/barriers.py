@@ -19,3 +19,8 @@ class NamedBarrier(enum.IntEnum):
     # backward with dQ atomics (no dQ writer): every consumer warpgroup is done reading the
     # previous step's sdS (and sP), so they may be rewritten
     DS_FREE = 8
+    # forward, persistent with a tile queue: the producer warp has written the CTA's next
+    # tile index to shared memory (two slots, alternating by tile, so the producer may
+    # be one tile ahead of the consumers)
+    NEXT_TILE_0 = 9
+    NEXT_TILE_1 = 10

@@ -22,8 +22,10 @@ Two modes:
     (block fastest, then head, then batch: the order the hardware launches that grid,
     which keeps a head's K and V in L2 while its query blocks run). A CTA's loop lets
     its producer load the next tile's K, V and Q while the consumers still finish the
-    last one (`first_index` / `next_index` / `tile_at`). Static round robin: for tiles of
-    equal cost (no causal mask), where no dynamic queue is needed to balance them.
+    last one (`first_index` / `next_index` / `tile_at`). Static round robin for tiles of
+    equal cost (no causal mask); with `tile_queue`, tiles past the first grid's come one
+    at a time from an atomic counter (`take_ticket`), so a CTA that drew short tiles
+    takes more of them (causal: the queue hands them out longest first within a head).
 """
 
 from typing import NamedTuple
@@ -46,13 +48,14 @@ class TileScheduler:
     forward's split-KV, whose count the launcher picks per call without recompiling)."""
 
     def __init__(self, tile_size: int, varlen: bool, num_splits: int = 1, longest_first: bool = False,
-                 runtime_splits: bool = False, persistent_ctas: int = 0):
+                 runtime_splits: bool = False, persistent_ctas: int = 0, tile_queue: bool = False):
         self.tile_size = tile_size  # rows (or keys) per block
         self.varlen = varlen
         self.num_splits = num_splits
         self.longest_first = longest_first
         self.runtime_splits = runtime_splits
         self.persistent_ctas = persistent_ctas
+        self.tile_queue = tile_queue
         # the persistent loop decodes tiles from the tensors' shapes in the kernel, which
         # has no max_seqlen for a varlen grid and no run-time split count
         assert not persistent_ctas or not (varlen or runtime_splits or num_splits > 1)
@@ -118,3 +121,19 @@ class TileScheduler:
         if cutlass.const_expr(self.longest_first):
             block = num_blocks - 1 - block
         return WorkTile(Int32(block), Int32(rest % heads), Int32(rest // heads), Int32(0))
+
+    @cute.jit
+    def take_ticket(self, counter: cute.Tensor, num_tiles) -> Int32:
+        """tile_queue, one warp: the index of this CTA's next tile, from the launch's
+        counter (int32, zero at launch). Lane 0 takes a ticket and the warp shares it.
+        Every CTA takes one ticket per tile it runs, the last one past the end, so the
+        tickets of a launch are 0 .. num_tiles - 1 and the holder of the last one is the
+        last to touch the counter: it sets it back to zero for the next launch."""
+        ticket = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            ticket = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+            if ticket == num_tiles - 1:
+                counter[0] = Int32(0)
+        ticket = cute.arch.shuffle_sync(ticket, 0)
+        grid_x, _, _ = cute.arch.grid_dim()
+        return ticket + Int32(grid_x)

@@ -160,11 +160,12 @@ class FwdPipelines(NamedTuple):
 
 class FwdSmem(NamedTuple):
     q: cute.Tensor
-    o: cute.Tensor  # O's staging buffer in the epilogue: Q's buffer, or (FP8) its own
+    o: cute.Tensor  # O's staging buffer in the epilogue: Q's buffer, or (FP8, persistent) its own
     k: cute.Tensor  # (tile_n, head_dim, stages)
     v: cute.Tensor
     tile_is_last: cute.Tensor  # (1,) int32, split-KV: the merge_if_last broadcast
     row_lse: cute.Tensor  # (tile_m,) fp32, split-KV: the merge's row LSEs
+    next_tile: cute.Tensor  # (2,) int32, tile queue: the next tile's index, by tile parity
 
 
 class MainloopOperands(NamedTuple):
@@ -216,8 +217,10 @@ class FlashFwdSm90:
         # causal-like masks: the last query blocks see the most keys, so they go first
         self.scheduler = TileScheduler(
             self.tile_m, features.varlen, longest_first=features.causal_like, runtime_splits=config.split_kv,
-            persistent_ctas=config.persistent_ctas,
+            persistent_ctas=config.persistent_ctas, tile_queue=config.tile_queue,
         )
+        self.tile_queue = config.tile_queue
+        assert not self.tile_queue or not features.varlen  # the queue's counter takes cu_seqlens_q's slot
 
     @cute.jit
     def __call__(
@@ -317,6 +320,7 @@ class FlashFwdSm90:
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             tile_is_last: cute.struct.MemRange[Int32, 1]  # split-KV: this CTA merges the tile
             row_lse: cute.struct.MemRange[Float32, self.tile_m]  # split-KV: the merged LSEs
+            next_tile: cute.struct.MemRange[Int32, 2]  # tile queue: the producer's tickets
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sV)], 1024]
@@ -368,6 +372,7 @@ class FlashFwdSm90:
             v=storage.sV.get_tensor(layouts.sV.outer, swizzle=layouts.sV.inner),
             tile_is_last=storage.tile_is_last.get_tensor(cute.make_layout(1)),
             row_lse=storage.row_lse.get_tensor(cute.make_layout(self.tile_m)),
+            next_tile=storage.next_tile.get_tensor(cute.make_layout(2)),
         )
 
         window = Window(self.features.mask, window_left, window_right)
@@ -418,10 +423,19 @@ class FlashFwdSm90:
         walk the CTA's work tiles (blocks/tile_scheduler.py) in the same order, their
         pipeline states running on from tile to tile, so the producer's loads of the next
         tile (K first, then Q once every consumer is done with this tile's Q) overlap the
-        consumers' last block and epilogue."""
+        consumers' last block and epilogue.
+
+        With the tile queue the producer warp takes the next tile's ticket once it has
+        issued a tile's loads, writes it to next_tile[parity] and arrives on
+        NEXT_TILE_<parity>; the consumers, done with the tile, wait there and read it. The
+        producer cannot reach the same parity's slot again before every consumer warp
+        has read it: that needs the Q stage of the tile in between, which the consumers
+        release only after they read the slot."""
         tiles = self.scheduler.work_tiles(g.q.tensor, None, None)
         num_tiles = tiles[0] * tiles[1] * tiles[2]
         index = self.scheduler.first_index()
+        parity = Int32(0)
+        next_tile_threads = 32 + self.num_mma_threads
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -431,7 +445,16 @@ class FlashFwdSm90:
                     tile = self.scheduler.tile_at(index, tiles)
                     q_state, kv_state = self.produce(g, smem, pipes, tile, block_range, self.seqlen_info(g, tile),
                                                      q_state, kv_state)
-                    index = self.scheduler.next_index(index)
+                    if cutlass.const_expr(self.tile_queue):
+                        # the dense kernels' cu_seqlens_q slot carries the counter
+                        index = self.scheduler.take_ticket(g.cu_seqlens_q, num_tiles)
+                        if cute.arch.lane_idx() == 0:
+                            smem.next_tile[parity] = index
+                        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.NEXT_TILE_0) + parity,
+                                                 number_of_threads=next_tile_threads)
+                        parity = parity ^ 1
+                    else:
+                        index = self.scheduler.next_index(index)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx = tidx - 128
@@ -447,7 +470,13 @@ class FlashFwdSm90:
                 tile = self.scheduler.tile_at(index, tiles)
                 q_state, kv_state = self.consume(g, layouts, smem, pipes, tile, block_range, self.seqlen_info(g, tile),
                                                  window, score, tidx, q_state, kv_state)
-                index = self.scheduler.next_index(index)
+                if cutlass.const_expr(self.tile_queue):
+                    cute.arch.barrier(barrier_id=int(NamedBarrier.NEXT_TILE_0) + parity,
+                                      number_of_threads=next_tile_threads)
+                    index = smem.next_tile[parity]
+                    parity = parity ^ 1
+                else:
+                    index = self.scheduler.next_index(index)
 
     # ------------------------------------------------------------------------------------
     # Producer: one warp, TMA only
