@@ -369,19 +369,22 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
     measured faster, else unchanged (None: no GPU to size it, the CPU compiles).
 
     Measured on an H100 (perf/NOTES.md, session 17; perf/ab_fwd_configs.py, 5 rounds,
-    16K tokens, the default timed twice for the noise, which was within 1.6%): without a
-    mask, persistent / one tile per CTA = 1.070 / 1.006 / 1.011 at head dim 64 (1K / 4K /
-    16K keys) and 1.038 / 0.986 / 0.989 at 128: short tiles gain (a tile's epilogue and
-    the next one's first loads overlap), long ones are level. Causal tiles differ in cost
-    and the static round robin left CTAs idle: 0.63-0.95, so only unmasked dense batches
-    (no varlen, KV cache, mods, packed GQA or split-KV) take it, and only where O's own
-    tile fits in shared memory beside Q and the K/V rings (head dims up to 128)."""
-    eligible = (num_sms and features.mask == "none" and not features.varlen and not features.kv_lengths
-                and not features.mod_kernel and config.pack_gqa == 1 and not config.split_kv
-                and config.page_size == 0 and head_dim <= 128)
+    16K tokens, the default timed twice for the noise, which was within 1.6%),
+    persistent / one tile per CTA at 1K / 4K / 16K keys:
+      no mask, round robin: head dim 64 1.070 / 1.006 / 1.011, 128 1.038 / 0.986 / 0.989
+      causal, tile queue:   head dim 64 1.095 / 1.017 / 0.996, 128 1.076 / 1.022 / 1.007
+      (causal by round robin: 0.63-0.95, its CTAs drew unequal work)
+    Short tiles gain: a tile's epilogue overlaps the next one's first loads; long ones
+    are level. So unmasked and causal dense batches take it (no window, varlen, KV
+    cache, mods, packed GQA or split-KV: not measured, or their kernels pass other
+    tensors in the queue's slot), where O's own tile fits in shared memory beside Q and
+    the K/V rings (head dims up to 128)."""
+    eligible = (num_sms and features.mask in ("none", "causal") and not features.varlen
+                and not features.kv_lengths and not features.mod_kernel and config.pack_gqa == 1
+                and not config.split_kv and config.page_size == 0 and head_dim <= 128)
     if not eligible:
         return config
-    persistent = dataclasses.replace(config, persistent_ctas=num_sms)
+    persistent = dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal")
     return persistent if fwd_smem_bytes(persistent, head_dim) <= SM90_SMEM_BYTES else config
 
 

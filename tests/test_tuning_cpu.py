@@ -152,19 +152,22 @@ def test_launcher_and_warmup_take_the_tuned_config(table_dir, monkeypatch):
 
 def test_persistent_grid_only_where_it_measured_faster(monkeypatch):
     """config.with_persistent_grid through default_fwd_config: the GPU's SM count as the
-    grid for unmasked dense 16-bit forwards up to head dim 128 (softcap and GQA alike);
-    causal, windows, varlen, KV caches, mods, packed GQA and head dims whose O tile does
-    not fit beside Q and the K/V rings keep one tile per CTA; no GPU, no persistence."""
+    grid for unmasked and causal dense 16-bit forwards up to head dim 128 (softcap and GQA
+    alike; causal with the tile queue); windows, varlen, KV caches, mods, packed GQA and
+    head dims whose O tile does not fit beside Q and the K/V rings keep one tile per CTA;
+    no GPU, no persistence."""
     from cute_attn.config import SM90_SMEM_BYTES, fwd_smem_bytes, with_persistent_grid
 
     monkeypatch.setattr(tuning, "gpu_name", lambda index=None: None)
     monkeypatch.setattr(tuning, "gpu_sm_count", lambda index=None: 132)
     for d in (64, 96, 128):
-        for features in (AttnFeatures(), AttnFeatures(softcap=True)):
+        for features in (AttnFeatures(), AttnFeatures(softcap=True), AttnFeatures(mask="causal")):
             config = tuning.default_fwd_config("bf16", d, features)
-            assert config == dataclasses.replace(fwd_config_for(d, features), persistent_ctas=132)
+            # causal tiles differ in cost: they come from the tile queue
+            assert config == dataclasses.replace(fwd_config_for(d, features), persistent_ctas=132,
+                                                 tile_queue=features.mask == "causal")
             assert fwd_smem_bytes(config, d) <= SM90_SMEM_BYTES
-    kept = [(128, AttnFeatures(mask="causal")), (128, AttnFeatures(mask="local")), (128, AttnFeatures(varlen=True)),
+    kept = [(128, AttnFeatures(mask="local")), (128, AttnFeatures(varlen=True)),
             (128, AttnFeatures(kv_lengths=True)), (192, AttnFeatures()), (256, AttnFeatures())]
     for d, features in kept:
         assert tuning.default_fwd_config("bf16", d, features) == fwd_config_for(d, features), (d, features)
