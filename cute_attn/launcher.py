@@ -593,6 +593,8 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
                                 varlen=args if features.varlen else None)
     if sink is None:
         sink = _placeholder(q.device, (1,)).view(torch.float32)
+    if config.tile_queue:
+        cu_q = _tile_queue(q.device)
     fn(q4, k4, v4, out4, lse3, cu_q, cu_k, *lists, aux, sink, *_dropout_arguments(q.device, args),
        args.max_seqlen_q, args.softmax_scale, args.softcap, args.window[0], args.window[1])
     return out, (lse if need_lse else None)

@@ -120,6 +120,28 @@ def test_mask_mods_match_reference(name, d, h, h_kv):
     _check(q, k, v, out, lse, mask_mod=mod)
 
 
+@pytest.mark.parametrize("name", ["block_diffusion_5", "document_causal", "empty_rows_and_tiles"])
+@pytest.mark.parametrize("d,h,h_kv", [(128, 4, 2), (64, 8, 2)])
+def test_mask_mods_on_a_persistent_grid(name, d, h, h_kv, monkeypatch):
+    """The mods' forward on a persistent grid of 5 CTAs with the tile queue, forced
+    through the config launcher.run_fwd_mods takes: each CTA walks many tiles of unequal
+    block lists (empty ones among them), twice in a row (the second call needs the
+    counter the first left at zero)."""
+    import dataclasses
+
+    from cute_attn import launcher
+
+    one_tile = launcher.fwd_config_for
+    monkeypatch.setattr(launcher, "fwd_config_for", lambda head_dim, features: dataclasses.replace(
+        one_tile(head_dim, features), persistent_ctas=5, tile_queue=True))
+    make, b, sq, sk = CASES[name]
+    mod = make()
+    q, k, v = _inputs(b, sq, sk, h, h_kv, d, seed=hash(name) % 1000)
+    for _ in range(2):
+        out, lse = _run(q, k, v, mask_mod=mod)
+        _check(q, k, v, out, lse, mask_mod=mod)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_alibi_score_mod_with_causal_mask(dtype):
     b, s, h, d = 2, 731, 4, 128
