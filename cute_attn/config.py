@@ -374,17 +374,20 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
       no mask, round robin: head dim 64 1.070 / 1.006 / 1.011, 128 1.038 / 0.986 / 0.989
       causal, tile queue:   head dim 64 1.095 / 1.017 / 0.996, 128 1.076 / 1.022 / 1.007
       (causal by round robin: 0.63-0.95, its CTAs drew unequal work)
+      mask mods, tile queue (perf/ab_mods_persistent.py): BD3LM L 1K 1.040-1.072, L 4K
+      0.985-1.011; 16 documents in 16K 1.014
     Short tiles gain: a tile's epilogue overlaps the next one's first loads; long ones
-    are level. So unmasked and causal dense batches take it (no window, varlen, KV
-    cache, mods, packed GQA or split-KV: not measured, or their kernels pass other
-    tensors in the queue's slot), where O's own tile fits in shared memory beside Q and
-    the K/V rings (head dims up to 128)."""
-    eligible = (num_sms and features.mask in ("none", "causal") and not features.varlen
-                and not features.kv_lengths and not features.mod_kernel and config.pack_gqa == 1
+    are level. So unmasked, causal and mask/score-mod dense batches take it (no window,
+    varlen, KV cache, sink or dropout alone, packed GQA or split-KV: not measured, or
+    their kernels pass other tensors in the queue's slot), where O's own tile fits in
+    shared memory beside Q and the K/V rings (head dims up to 128)."""
+    mods = features.mask_mod is not None or features.score_mod is not None
+    eligible = (num_sms and (features.mask in ("none", "causal") and not features.mod_kernel or mods)
+                and not features.varlen and not features.kv_lengths and config.pack_gqa == 1
                 and not config.split_kv and config.page_size == 0 and head_dim <= 128)
     if not eligible:
         return config
-    persistent = dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal")
+    persistent = dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal" or mods)
     return persistent if fwd_smem_bytes(persistent, head_dim) <= SM90_SMEM_BYTES else config
 
 

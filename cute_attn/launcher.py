@@ -35,6 +35,7 @@ from cute_attn.config import (
     fp8_fwd_config_for,
     fwd_config_for,
     pack_gqa_for,
+    with_persistent_grid,
 )
 
 ARCH = "sm_90a"
@@ -583,8 +584,12 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
     logits when features.sink (args then may carry a mask kind's window and a softcap).
     Packed varlen inputs (features.varlen): block_mask per sequence (block_mask.
     create_varlen_block_mask). Returns (out, lse)."""
+    from cute_attn.tuning import gpu_sm_count
+
     head_dim = q.shape[-1]
-    config = fwd_config_for(head_dim, features)  # the mods' tiles (the block mask's), or a sink's dense ones
+    # the mods' tiles (the block mask's), or a sink's dense ones; a persistent grid where
+    # it measured faster (config.with_persistent_grid)
+    config = with_persistent_grid(fwd_config_for(head_dim, features), head_dim, features, gpu_sm_count(q.device.index))
     fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config))
     out, lse = _outputs(q, features, need_lse)
     q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)

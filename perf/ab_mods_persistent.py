@@ -1,8 +1,8 @@
 """A/B of the mods forward (block diffusion, documents) with one tile per CTA against a
 persistent grid with the tile queue (FwdConfig.persistent_ctas / tile_queue), in the
 same interleaved rounds: the measurement behind the mods' grid choice (perf/NOTES.md
-holds the prediction). The persistent variant is forced by wrapping the config that
-launcher.run_fwd_mods takes; outputs are compared (max |diff|, 0 expected: same tiles,
+holds the prediction). Each variant replaces the grid rule (config.with_persistent_grid)
+that launcher.run_fwd_mods applies; outputs are compared (max |diff|, 0 expected: same tiles,
 same order of blocks within a tile).
 
     python3 perf/ab_mods_persistent.py [--rounds 5] [--ctas 132]
@@ -28,22 +28,25 @@ def main(argv=None) -> int:
     from cute_attn import launcher
 
     print(harness.cuda_setup("perf/ab_mods_persistent.py"), flush=True)
-    one_tile = launcher.fwd_config_for
+    rule = launcher.with_persistent_grid
 
-    def persistent(head_dim, features, *a, **kw):
-        return dataclasses.replace(one_tile(head_dim, features, *a, **kw), persistent_ctas=args.ctas, tile_queue=True)
+    def one_tile(config, head_dim, features, num_sms):
+        return config
+
+    def persistent(config, head_dim, features, num_sms):
+        return dataclasses.replace(config, persistent_ctas=args.ctas, tile_queue=True)
 
     for c in bench_masks.cases(("bd", "documents")):
         b, s, h, d = c["batch"], c["seqlen"], c["nheads"], c["headdim"]
         q, k, v = harness.random_qkv(b, s, h, d, torch.bfloat16)
         mask_mod, score_mod, _, _ = bench_masks.mods_for(c)
 
-        def call(config_fn):
-            launcher.fwd_config_for = config_fn
+        def call(grid_rule):
+            launcher.with_persistent_grid = grid_rule
             try:
                 return cute_attn.mha(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
             finally:
-                launcher.fwd_config_for = one_tile
+                launcher.with_persistent_grid = rule
 
         outs = {name: call(fn).float() for name, fn in (("one_tile", one_tile), ("copy", one_tile),
                                                         ("persistent", persistent))}

@@ -123,17 +123,17 @@ def test_mask_mods_match_reference(name, d, h, h_kv):
 @pytest.mark.parametrize("name", ["block_diffusion_5", "document_causal", "empty_rows_and_tiles"])
 @pytest.mark.parametrize("d,h,h_kv", [(128, 4, 2), (64, 8, 2)])
 def test_mask_mods_on_a_persistent_grid(name, d, h, h_kv, monkeypatch):
-    """The mods' forward on a persistent grid of 5 CTAs with the tile queue, forced
-    through the config launcher.run_fwd_mods takes: each CTA walks many tiles of unequal
+    """The mods' forward on a persistent grid of 5 CTAs with the tile queue (the
+    default's 132 on an H100 leave most CTAs one tile here), forced through the grid
+    rule launcher.run_fwd_mods applies: each CTA walks many tiles of unequal
     block lists (empty ones among them), twice in a row (the second call needs the
     counter the first left at zero)."""
     import dataclasses
 
     from cute_attn import launcher
 
-    one_tile = launcher.fwd_config_for
-    monkeypatch.setattr(launcher, "fwd_config_for", lambda head_dim, features: dataclasses.replace(
-        one_tile(head_dim, features), persistent_ctas=5, tile_queue=True))
+    monkeypatch.setattr(launcher, "with_persistent_grid", lambda config, head_dim, features, num_sms: dataclasses.replace(
+        config, persistent_ctas=5, tile_queue=True))
     make, b, sq, sk = CASES[name]
     mod = make()
     q, k, v = _inputs(b, sq, sk, h, h_kv, d, seed=hash(name) % 1000)
