@@ -1,7 +1,8 @@
 """Attention forward for Hopper (sm_90a): warp-specialized TMA + WGMMA, FlashAttention-3 style.
 
 Computes O = softmax(Q K^T * scale) V and LSE = logsumexp(Q K^T * scale) per query row for
-one (m_block, head, batch) tile per CTA. Tensors arrive in the FlashAttention layout
+one (m_block, head, batch) tile per CTA, or with a persistent grid (FwdConfig.
+persistent_ctas) for each tile a CTA takes in turn (run_persistent). Tensors arrive in the FlashAttention layout
 (batch, seqlen, heads, head_dim), head_dim contiguous, other strides free (multiples of 16 B).
 
 Warp roles (128 * (1 + num_mma_warpgroups) threads):
@@ -28,7 +29,8 @@ blocks come first, so masked steps are a short prefix of the loop):
 The turn barriers (named barriers WG_TURN_i) make warpgroups alternate on the tensor cores,
 so one warpgroup's softmax runs while the other's GEMMs execute (ping-pong).
 
-Epilogue: normalise O by the row sums, write O to shared memory (aliasing Q) with stmatrix,
+Epilogue: normalise O by the row sums, write O to shared memory (aliasing Q; with FP8 or a
+persistent grid a buffer of its own) with stmatrix,
 then one warp stores it with a TMA bulk copy (clipped to seqlen_q by the tensor map); LSE
 goes straight from registers to global memory.
 
