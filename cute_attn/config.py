@@ -378,10 +378,11 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
       0.985-1.011; 16 documents in 16K 1.014
     Short tiles gain: a tile's epilogue overlaps the next one's first loads; long ones
     are level. So unmasked, causal and mask/score-mod dense batches take it (no window,
-    varlen, KV cache, sink or dropout alone, packed GQA or split-KV: not measured, or
-    their kernels pass other tensors in the queue's slot), where O's own tile fits in
-    shared memory beside Q and the K/V rings (head dims up to 128)."""
-    mods = features.mask_mod is not None or features.score_mod is not None
+    varlen, KV cache, sink or dropout, packed GQA or split-KV: not measured, or their
+    kernels pass other tensors in the queue's slot), where O's own tile fits in shared
+    memory beside Q and the K/V rings (head dims up to 128)."""
+    # (a sink or dropout, alone or beside mods, ran no GPU test on a persistent grid)
+    mods = (features.mask_mod is not None or features.score_mod is not None) and not (features.sink or features.dropout)
     eligible = (num_sms and (features.mask in ("none", "causal") and not features.mod_kernel or mods)
                 and not features.varlen and not features.kv_lengths and config.pack_gqa == 1
                 and not config.split_kv and config.page_size == 0 and head_dim <= 128)

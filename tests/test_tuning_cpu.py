@@ -176,7 +176,7 @@ def test_persistent_grid_only_where_it_measured_faster(monkeypatch):
     deep = dataclasses.replace(fwd_config_for(128, AttnFeatures()), num_stages=3)
     assert with_persistent_grid(deep, 128, AttnFeatures(), 132) == deep
     assert with_persistent_grid(fwd_config_for(128, AttnFeatures()), 128, AttnFeatures(), None).persistent_ctas == 0
-    # mask / score mods take the queue (their tiles' block lists differ); a sink alone does not
+    # mask / score mods take the queue (their tiles' block lists differ); not with a sink or dropout
     from cute_attn import masks
     from cute_attn.config import mod_fwd_config_for
 
@@ -184,8 +184,9 @@ def test_persistent_grid_only_where_it_measured_faster(monkeypatch):
     assert with_persistent_grid(mod_fwd_config_for(64), 64, bd, 132) == dataclasses.replace(
         mod_fwd_config_for(64), persistent_ctas=132, tile_queue=True)
     assert with_persistent_grid(mod_fwd_config_for(128), 128, dataclasses.replace(bd, varlen=True), 132).persistent_ctas == 0
-    sink = AttnFeatures(mask="causal", sink=True)
-    assert with_persistent_grid(fwd_config_for(128, sink), 128, sink, 132) == fwd_config_for(128, sink)
+    for extra in (AttnFeatures(mask="causal", sink=True), dataclasses.replace(bd, sink=True),
+                  dataclasses.replace(bd, dropout=True)):
+        assert with_persistent_grid(fwd_config_for(128, extra), 128, extra, 132) == fwd_config_for(128, extra)
     with pytest.raises(ValueError, match="tile_queue needs a persistent grid"):
         dataclasses.replace(fwd_config_for(128, AttnFeatures()), tile_queue=True)
 
