@@ -236,53 +236,6 @@ def build_varlen_block_mask(mask_mod, cu_seqlens_q, cu_seqlens_k, heads: int, ti
                          (offsets_q, offsets_k))
 
 
-_cache: "OrderedDict[tuple, BlockMask]" = OrderedDict()
-_CACHE_SIZE = 64
-
-
-def cached_block_mask(mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device,
-                      transposed: bool = False) -> BlockMask:
-    """build_block_mask, remembered per (mod key, aux tensors' storage and version, shape,
-    tiles, device): a model calling mha with one mask in every layer builds it once. An
-    aux tensor modified in place (its version changes) builds anew."""
-    if not _SameTensors.rememberable(mod.aux):  # no version to key an inference tensor by
-        return build_block_mask(mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device, transposed)
-    aux_id = tuple((t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride())) for t in mod.aux)
-    key = (mod.key, aux_id, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, str(device), transposed)
-    found = _cache.get(key)
-    if found is not None:
-        _cache.move_to_end(key)
-        return found
-    block_mask = build_block_mask(mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device, transposed)
-    _cache[key] = block_mask
-    if len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
-    return block_mask
-
-
-def check_block_mask(block_mask: BlockMask, mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n):
-    """A user's block mask must be this mask's, at this shape and the kernel's tiles."""
-    if not isinstance(block_mask, BlockMask):
-        raise TypeError(f"block_mask must be a cute_attn.BlockMask (create_block_mask), got {type(block_mask).__name__}")
-    want = (batch, heads, seqlen_q, seqlen_k, tile_m, tile_n)
-    got = (block_mask.batch, block_mask.heads, block_mask.seqlen_q, block_mask.seqlen_k, block_mask.tile_m,
-           block_mask.tile_n)
-    if got != want:
-        raise ValueError(f"block_mask was built for (batch, heads, seqlen_q, seqlen_k, tile_m, tile_n) = {got}, "
-                         f"this call needs {want}")
-    if block_mask.cu_seqlens is not None:
-        raise ValueError("block_mask was built for a packed varlen batch (create_varlen_block_mask): pass it to "
-                         "mha_varlen")
-    _check_kind(block_mask, mod)
-
-
-def _check_kind(block_mask: BlockMask, mod: Modifier):
-    if block_mask.transposed:
-        raise ValueError("block_mask is a backward (transposed) block mask; pass the forward's")
-    if block_mask.mod_key != mod.key:
-        raise ValueError(f"block_mask was built for another mask mod than {mod.name!r}")
-
-
 class _SameTensors:
     """The identity of live tensors and their versions, for caches keyed by what a call
     passed: equal only while the very same tensor objects are alive and unmodified (a
@@ -309,9 +262,67 @@ class _SameTensors:
             r() is t and t._version == v for r, t, v in zip(self.refs, tensors, self.versions))
 
 
+# (mod key, shape, tiles, device, transposed, ids of the aux tensors) -> (_SameTensors,
+# BlockMask); ids are unique among live objects, and the entry checks that its tensors
+# are the ones alive
+_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
+_CACHE_SIZE = 64
+
+
+def cached_block_mask(mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device,
+                      transposed: bool = False) -> BlockMask:
+    """build_block_mask, remembered while the same aux tensors live unmodified: a model
+    calling mha with one mask in every layer builds it once. An aux tensor modified in
+    place (its version changes) or a new one (even at a freed one's address, with the
+    same version) builds anew."""
+    key = (mod.key, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, str(device), transposed)
+    return _remembered(_cache, key, tuple(mod.aux), lambda: build_block_mask(
+        mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device, transposed))
+
+
+def _remembered(cache: OrderedDict, key: tuple, tensors: tuple, build):
+    """build(), kept in cache (LRU of _CACHE_SIZE) under key while `tensors` are the same
+    live, unmodified objects (_SameTensors); an entry leaves when one of them is freed.
+    Inference tensors have no version to key by: built every time."""
+    if not _SameTensors.rememberable(tensors):
+        return build()
+    key = key + (tuple(id(t) for t in tensors),)
+    found = cache.get(key)
+    if found is not None and found[0].hold(tensors):
+        cache.move_to_end(key)
+        return found[1]
+    value = build()
+    cache[key] = (_SameTensors(tensors, on_death=lambda: cache.pop(key, None)), value)
+    if len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
+
+
+def check_block_mask(block_mask: BlockMask, mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n):
+    """A user's block mask must be this mask's, at this shape and the kernel's tiles."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cute_attn.BlockMask (create_block_mask), got {type(block_mask).__name__}")
+    want = (batch, heads, seqlen_q, seqlen_k, tile_m, tile_n)
+    got = (block_mask.batch, block_mask.heads, block_mask.seqlen_q, block_mask.seqlen_k, block_mask.tile_m,
+           block_mask.tile_n)
+    if got != want:
+        raise ValueError(f"block_mask was built for (batch, heads, seqlen_q, seqlen_k, tile_m, tile_n) = {got}, "
+                         f"this call needs {want}")
+    if block_mask.cu_seqlens is not None:
+        raise ValueError("block_mask was built for a packed varlen batch (create_varlen_block_mask): pass it to "
+                         "mha_varlen")
+    _check_kind(block_mask, mod)
+
+
+def _check_kind(block_mask: BlockMask, mod: Modifier):
+    if block_mask.transposed:
+        raise ValueError("block_mask is a backward (transposed) block mask; pass the forward's")
+    if block_mask.mod_key != mod.key:
+        raise ValueError(f"block_mask was built for another mask mod than {mod.name!r}")
+
+
 # (mod key, heads, tiles, device, transposed, ids of the offsets and aux tensors) ->
-# (_SameTensors, BlockMask); ids are unique among live objects, and the entry checks
-# that its tensors are the ones alive
+# (_SameTensors, BlockMask), as _cache
 _varlen_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
 
 
@@ -320,21 +331,9 @@ def cached_varlen_block_mask(mod: Modifier, cu_seqlens_q: torch.Tensor, cu_seqle
     """build_varlen_block_mask, remembered while the same offset and aux tensors live
     unmodified: a model passing one cu_seqlens (and one doc-id tensor) to every layer
     reads the offsets to the host and builds once per batch."""
-    tensors = (cu_seqlens_q, cu_seqlens_k, *mod.aux)
-    if not _SameTensors.rememberable(tensors):
-        return build_varlen_block_mask(mod, cu_seqlens_q, cu_seqlens_k, heads, tile_m, tile_n, transposed=transposed)
-    key = (mod.key, heads, tile_m, tile_n, str(cu_seqlens_q.device), transposed, tuple(id(t) for t in tensors))
-    found = _varlen_cache.get(key)
-    if found is not None and found[0].hold(tensors):
-        _varlen_cache.move_to_end(key)
-        return found[1]
-    block_mask = build_varlen_block_mask(mod, cu_seqlens_q, cu_seqlens_k, heads, tile_m, tile_n,
-                                         transposed=transposed)
-    same = _SameTensors(tensors, on_death=lambda: _varlen_cache.pop(key, None))
-    _varlen_cache[key] = (same, block_mask)
-    if len(_varlen_cache) > _CACHE_SIZE:
-        _varlen_cache.popitem(last=False)
-    return block_mask
+    key = (mod.key, heads, tile_m, tile_n, str(cu_seqlens_q.device), transposed)
+    return _remembered(_varlen_cache, key, (cu_seqlens_q, cu_seqlens_k, *mod.aux), lambda: build_varlen_block_mask(
+        mod, cu_seqlens_q, cu_seqlens_k, heads, tile_m, tile_n, transposed=transposed))
 
 
 # id(user's varlen BlockMask) -> (_SameTensors of (its partial_count, the call's offsets),

@@ -117,6 +117,28 @@ def test_cached_block_mask_rebuilds_when_aux_changes():
     assert torch.equal(b.classes(), _kernel_view(reference_classes(mod, 1, 1, 30, 30, 8, 8), 30, 8))
 
 
+def test_cached_block_mask_is_not_fooled_by_a_recycled_address():
+    """A new aux tensor at a freed one's address, with the same version (0) and shape, as
+    the caching allocator hands out when a training loop makes fresh document ids each
+    step, must build its own mask: keyed by data pointer and version, the cache once
+    returned the old tensor's (tiles it marked EMPTY were then never computed)."""
+    import numpy as np
+
+    memory = np.zeros((1, 30), dtype=np.int32)
+    memory[0, 15:] = 1  # two documents
+    first = torch.from_numpy(memory)
+    mod = masks.document(first)
+    a = bm.cached_block_mask(mod, 1, 1, 30, 30, 8, 8, "cpu")
+    del mod, first
+    memory[0, 15:] = 0  # one document, written behind torch's back: no version change
+    second = torch.from_numpy(memory)
+    mod = masks.document(second)
+    assert second._version == 0
+    b = bm.cached_block_mask(mod, 1, 1, 30, 30, 8, 8, "cpu")
+    assert not torch.equal(a.classes(), b.classes())
+    assert torch.equal(b.classes(), _kernel_view(reference_classes(mod, 1, 1, 30, 30, 8, 8), 30, 8))
+
+
 VARLEN_CASES = [
     # (name, mod factory given the packed lengths, lengths_q, lengths_k)
     ("document_packed", lambda lq: masks.document(torch.tensor([i % 3 // 2 + 2 * s for s, n in enumerate(lq)
