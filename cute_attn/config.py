@@ -270,11 +270,11 @@ class FwdConfig(_WarpSpecialized):
     # of its own (it no longer aliases Q, whose next tile may be landing). Dense 16-bit
     # batches only: no varlen, split-KV, paged cache or packed GQA.
     persistent_ctas: int = 0
-    # Persistent: a CTA's next tile comes from an atomic counter in global memory (tiles
-    # of unequal cost: causal masks), not from the fixed round robin (first tiles by CTA
-    # index, then one at a time as CTAs ask). The counter travels in the cu_seqlens_q
-    # slot, which a dense batch does not read (launcher._tile_queue); the kernel leaves
-    # it zero.
+    # Persistent: after its first tile (its CTA index), a CTA takes each next one from an
+    # atomic counter in global memory, one at a time as it asks (tiles of unequal cost:
+    # causal masks, mask mods), instead of the fixed round robin. The counter travels in
+    # the cu_seqlens_q slot, which a dense batch does not read (launcher._tile_queue);
+    # each launch leaves it zero.
     tile_queue: bool = False
 
     @property
@@ -302,6 +302,8 @@ class FwdConfig(_WarpSpecialized):
             raise ValueError(f"persistent_ctas must be >= 0, got {self.persistent_ctas}")
         if self.tile_queue and not self.persistent_ctas:
             raise ValueError("tile_queue needs a persistent grid (persistent_ctas > 0)")
+        if self.persistent_ctas and self.split_kv:
+            raise ValueError("a split-KV grid is sized per call: not persistent (split_config)")
         if self.page_size and (self.page_size % 8 or (self.page_size % self.tile_n and self.tile_n % self.page_size)):
             # a box of whole 8-row swizzle atoms, nested with the block: see paged_tile_n
             raise ValueError(f"page_size must be 0, or a multiple of 8 that divides tile_n ({self.tile_n}) "
@@ -366,7 +368,8 @@ def fwd_smem_bytes(config: FwdConfig, head_dim: int, itemsize: int = 2) -> int:
 def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeatures,
                          num_sms: Optional[int]) -> FwdConfig:
     """The 16-bit forward's config with a persistent grid of num_sms CTAs where that
-    measured faster, else unchanged (None: no GPU to size it, the CPU compiles).
+    measured faster at short sequences and level at long ones, else unchanged (None:
+    no GPU to size it, the CPU compiles).
 
     Measured on an H100 (perf/NOTES.md, session 17; perf/ab_fwd_configs.py, 5 rounds,
     16K tokens, the default timed twice for the noise, which was within 1.6%),
@@ -390,6 +393,12 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
         return config
     persistent = dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal" or mods)
     return persistent if fwd_smem_bytes(persistent, head_dim) <= SM90_SMEM_BYTES else config
+
+
+def split_config(config: FwdConfig) -> FwdConfig:
+    """The split-KV forward of a config (launcher._split_kernel, warmup): a split grid
+    is sized to fill the GPU already, so it is never persistent."""
+    return dataclasses.replace(config, split_kv=True, persistent_ctas=0, tile_queue=False)
 
 
 def paged_tile_n(tile_n: int, page_size: int) -> int:

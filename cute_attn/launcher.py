@@ -35,6 +35,7 @@ from cute_attn.config import (
     fp8_fwd_config_for,
     fwd_config_for,
     pack_gqa_for,
+    split_config,
     with_persistent_grid,
 )
 
@@ -811,9 +812,7 @@ def _split_kernel(q, features: AttnFeatures, config: FwdConfig):
     head_dim = q.shape[-1]
     fn = _split_kernels.get((q.dtype, head_dim, features, config))
     if fn is None:
-        # a split grid is sized to fill the GPU already: never persistent
-        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features,
-                     dataclasses.replace(config, split_kv=True, persistent_ctas=0, tile_queue=False))
+        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, split_config(config))
         fn = _split_kernels.setdefault((q.dtype, head_dim, features, config), get_fwd_kernel(key))
     return fn
 

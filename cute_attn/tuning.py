@@ -151,7 +151,8 @@ def gpu_sm_count(index: Optional[int] = None) -> Optional[int]:
 
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
+    device = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def candidates(head_dim: int, features: AttnFeatures, base: Optional[FwdConfig] = None) -> dict:

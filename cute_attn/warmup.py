@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from cute_attn.config import CAPABILITIES, AttnFeatures, bwd_config_for
+from cute_attn.config import CAPABILITIES, AttnFeatures, bwd_config_for, split_config
 from cute_attn.tuning import default_fwd_config
 
 # What a plain training or inference job calls: bf16, the two most used head dims,
@@ -45,8 +45,6 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
     query sequences, see config.choose_pack_gqa) to build as well. decode: also what
     inference takes: the split-KV forwards (small grids), the KV-cache append (contiguous and paged), and
     mha_with_kvcache's kv_lengths forwards, split and unsplit, for each pack."""
-    import dataclasses
-
     from cute_attn.launcher import AppendKey, BwdKey, FwdKey
 
     jobs = []
@@ -58,7 +56,9 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
                 if not (kv_lengths or split):
                     continue  # the plain forward: built below
                 features = AttnFeatures(mask=mask, softcap=softcap, kv_lengths=kv_lengths)
-                config = dataclasses.replace(default_fwd_config(dtype, d, features, pack_gqa=pack), split_kv=split)
+                config = default_fwd_config(dtype, d, features, pack_gqa=pack)
+                if split:  # as launcher._split_kernel builds it
+                    config = split_config(config)
                 jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))
         for dtype, d, paged in itertools.product(dtypes, head_dims, (False, True)):
             if d in CAPABILITIES["fwd"].head_dims:

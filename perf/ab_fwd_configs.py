@@ -10,8 +10,9 @@ different block order is ~1e-3 on these inputs, a wrong kernel is O(1)).
 
 A variant name is a field and a value, applied to the default: n<keys> (tile_n),
 m<rows> (tile_m), s<stages> (num_stages), p<ctas> (persistent_ctas: 132 on an H100 SXM or
-H200; q<ctas>: the same with the tile queue). `copy` is the default itself timed again under another name: the same-config
-spread of a run, the noise floor against which the other variants' ratios are read.
+H200; q<ctas>: the same with the tile queue). `copy` is the default itself timed again
+under another name: the same-config spread of a run, the noise floor against which the
+other variants' ratios are read.
 """
 import argparse
 import dataclasses

@@ -137,11 +137,13 @@ CASES = (
     # forced (extra "config") so the case keeps covering it whatever the default
     Case("fp8-p-double-hd128", dtype="fp8", seqlen_q=700, seqlen_k=900, backward=False,
          extra={"config": "p_double_buffer"}),
-    # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
     # more tiles than an H100's 132 SMs (6 x 16 x 4 = 384 at 192 rows): the persistent
-    # forward's CTAs walk 2-3 tiles each, the rings and ping-pong turns running on
+    # forward's CTAs walk 2-3 tiles each, the rings and ping-pong turns running on; causal:
+    # the same through the tile queue (8 x 16 x 4 = 512 tiles: tickets, the hand-off)
     Case("persistent-hd64-gqa", head_dim=64, batch=4, seqlen_q=1000, seqlen_k=1111, nheads=16, nheads_kv=4,
          softcap=20.0),
+    Case("persistent-queue-causal-gqa", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4, causal=True),
+    # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
     Case("lse-combine", batch=2, seqlen_q=300, nheads=3, backward=False, extra={"combine": 3}),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}

@@ -342,7 +342,8 @@ def test_persistent_forward_compiles_with_a_tile_loop(head_dim, mask, tile_queue
     assert "%nctaid.x" in persistent
     handoff = 32 + 128 * config.num_mma_warpgroups
     assert (len(re.findall(r"atom(\.relaxed)?(\.gpu)?\.global\.add", persistent)) == 1) == tile_queue
-    assert (f"bar.arrive %r" in persistent and f", {handoff};" in persistent) == tile_queue
+    # pass_turn's bar.arrive names its barrier by register too, with 256 threads
+    assert bool(re.search(rf"bar\.arrive %r\d+, {handoff};", persistent)) == tile_queue
     if mask == "none":
         single = launcher.compile_fwd(launcher.FwdKey("bf16", head_dim, features, base), "--keep-ptx").__ptx__
         assert "%nctaid.x" not in single

@@ -349,12 +349,18 @@ def _capture(fn):
     return graph, result
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(100, 20), softcap=5.0)], ids=["causal", "window-softcap"])
-def test_cuda_graph_forward_replays_new_inputs(kw):
-    q, k, v = _qkv(2, 333, 600, 8, 4, 128, seed=1)
+@pytest.mark.parametrize("kw, shape", [
+    (dict(causal=True), (2, 333, 600, 8, 4, 128)),
+    (dict(window_size=(100, 20), softcap=5.0), (2, 333, 600, 8, 4, 128)),
+    # 512 tiles on at most 132 SMs: the persistent forward's tile queue under capture and
+    # replay (its counter must be zero at every replay, else tiles are skipped: NaN)
+    (dict(causal=True), (4, 1000, 1000, 16, 4, 128)),
+], ids=["causal", "window-softcap", "causal-tile-queue"])
+def test_cuda_graph_forward_replays_new_inputs(kw, shape):
+    q, k, v = _qkv(*shape, seed=1)
     graph, (out, lse) = _capture(lambda: cute_attn.mha(q, k, v, return_lse=True, **kw))
     for seed in (5, 6):
-        for t, new in zip((q, k, v), _qkv(2, 333, 600, 8, 4, 128, seed=seed)):
+        for t, new in zip((q, k, v), _qkv(*shape, seed=seed)):
             t.copy_(new)
         out.fill_(float("nan"))
         lse.fill_(float("nan"))

@@ -153,9 +153,9 @@ def test_launcher_and_warmup_take_the_tuned_config(table_dir, monkeypatch):
 def test_persistent_grid_only_where_it_measured_faster(monkeypatch):
     """config.with_persistent_grid through default_fwd_config: the GPU's SM count as the
     grid for unmasked and causal dense 16-bit forwards up to head dim 128 (softcap and GQA
-    alike; causal with the tile queue); windows, varlen, KV caches, mods, packed GQA and
-    head dims whose O tile does not fit beside Q and the K/V rings keep one tile per CTA;
-    no GPU, no persistence."""
+    alike; causal and mask mods with the tile queue); windows, varlen, KV caches, sinks,
+    dropout, packed GQA and head dims whose O tile does not fit beside Q and the K/V
+    rings keep one tile per CTA; no GPU, no persistence."""
     from cute_attn.config import SM90_SMEM_BYTES, fwd_smem_bytes, with_persistent_grid
 
     monkeypatch.setattr(tuning, "gpu_name", lambda index=None: None)

@@ -86,3 +86,26 @@ def test_decode_plan_adds_the_inference_kernels():
 
 def _keys(jobs):
     return {(j.family, j.key) for j in jobs}
+
+
+def test_decode_plan_builds_the_launchers_split_keys_on_a_gpu_host(monkeypatch):
+    """With a GPU's SM count the dense defaults are persistent; the split-KV jobs must
+    still be the keys launcher._split_kernel builds (split_config: never persistent),
+    not a persistent split config (which FwdConfig refuses)."""
+    import torch
+
+    from cute_attn import launcher, tuning
+    from cute_attn.config import AttnFeatures, split_config
+
+    monkeypatch.setattr(tuning, "gpu_sm_count", lambda index=None: 132)
+    monkeypatch.setattr(tuning, "gpu_name", lambda index=None: None)
+    jobs = warmup.plan(head_dims=(128,), masks=("causal",), varlen=(False,), backward=False, decode=True)
+    dense = AttnFeatures(mask="causal")
+    plain = tuning.default_fwd_config("bf16", 128, dense)
+    assert plain.persistent_ctas == 132 and plain.tile_queue
+    splits = [j.key for j in jobs if j.family == "fwd" and j.key.config.split_kv and not j.key.features.kv_lengths]
+    assert [k.config for k in splits] == [split_config(plain)]
+    monkeypatch.setattr(launcher, "get_fwd_kernel", lambda key: key)
+    monkeypatch.setattr(launcher, "_split_kernels", {})
+    q = torch.empty(1, 64, 4, 128, dtype=torch.bfloat16)
+    assert launcher._split_kernel(q, dense, plain) == splits[0]

@@ -2,8 +2,9 @@
 
 Computes O = softmax(Q K^T * scale) V and LSE = logsumexp(Q K^T * scale) per query row for
 one (m_block, head, batch) tile per CTA, or with a persistent grid (FwdConfig.
-persistent_ctas) for each tile a CTA takes in turn (run_persistent). Tensors arrive in the FlashAttention layout
-(batch, seqlen, heads, head_dim), head_dim contiguous, other strides free (multiples of 16 B).
+persistent_ctas) for each tile a CTA takes in turn (run_persistent). Tensors arrive in the
+FlashAttention layout (batch, seqlen, heads, head_dim), head_dim contiguous, other strides
+free (multiples of 16 B).
 
 Warp roles (128 * (1 + num_mma_warpgroups) threads):
   * warpgroup 0, the producer: registers cut to 24-32 with setmaxnreg; its warp 0 issues
@@ -341,7 +342,8 @@ class FlashFwdSm90:
         )
 
     def _o_store(self, mO: cute.Tensor, sQ_layout, q_tma: TmaTensor) -> TmaTensor:
-        """O's TMA store: through shared memory laid out like Q (it reuses Q's buffer).
+        """O's TMA store: through shared memory laid out like Q (Q's buffer, or with FP8 or
+        a persistent grid one of its own).
         The split-KV partials leave from registers instead, and Q's descriptor stands in
         (plain Python: runs while tracing)."""
         if self.split_kv:
@@ -521,7 +523,7 @@ class FlashFwdSm90:
         load_v = (g, seqlen, g.v.atom, tVgV, tVsV, pipes.v)
         if cutlass.const_expr(self.persistent):
             # the first K block's stage frees during this CTA's previous tile; Q's buffer
-            # only once every consumer has issued that tile's last QK^T: K goes first
+            # only once every consumer warp has finished that tile's mainloop: K goes first
             if count > 0:
                 self.load_kv(*load_k, kv_state, self.kv_block(blocks, n_block_max, 0))
             self.load_q(g, tQgQ, tQsQ, pipes.q, q_state)
