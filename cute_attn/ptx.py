@@ -9,6 +9,7 @@ The backward is three kernels (preprocess, main, postprocess); each gets its own
 resource report.
 """
 
+import atexit
 import os
 import re
 import shutil
@@ -30,8 +31,13 @@ class CompiledArtifacts:
 
 
 # --keep-ptx also dumps files into the DSL's dump directory, which defaults to the working
-# directory of the process; send them to a scratch folder unless the user chose one.
-os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "cute_attn_dump"))
+# directory of the process; send them to a scratch folder unless the user chose one. One
+# folder per process, removed at exit: the files are named by kernel, not by
+# specialisation, so two processes compiling at once in a shared folder read each
+# other's PTX (seen: a test found a persistent kernel's PTX for a varlen one).
+if "CUTE_DSL_DUMP_DIR" not in os.environ:
+    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="cute_attn_dump_")
+    atexit.register(shutil.rmtree, os.environ["CUTE_DSL_DUMP_DIR"], ignore_errors=True)
 os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
 
 
