@@ -18,6 +18,7 @@ different kernel, while sequence lengths, batch and heads stay dynamic.
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -365,6 +366,7 @@ def fwd_smem_bytes(config: FwdConfig, head_dim: int, itemsize: int = 2) -> int:
     return tiles * itemsize + FWD_SMEM_OVERHEAD
 
 
+@functools.lru_cache(maxsize=256)  # run_fwd_mods asks on every call
 def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeatures,
                          num_sms: Optional[int]) -> FwdConfig:
     """The 16-bit forward's config with a persistent grid of num_sms CTAs where that
