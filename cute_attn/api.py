@@ -3,6 +3,7 @@ autograd, a torch.autograd.Function runs the backward kernels."""
 
 import dataclasses
 import math
+import numbers
 from typing import Callable, Literal, Optional, Sequence, Union, overload
 
 import torch
@@ -303,7 +304,7 @@ def _checked_dropout_p(dropout_p, dropout_seed) -> float:
     """dropout_p as a float in [0, 1), and dropout_seed an int32 (2,) tensor or None."""
     if dropout_seed is None and dropout_p == 0.0 and type(dropout_p) is float:
         return 0.0  # the common call: nothing more to check on the per-call path
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
@@ -314,6 +315,9 @@ def _checked_dropout_p(dropout_p, dropout_seed) -> float:
         if dropout_seed.dtype != torch.int32 or tuple(dropout_seed.shape) != (2,):
             raise ValueError(f"dropout_seed must be an int32 tensor of shape (2,), got {dropout_seed.dtype} "
                              f"{tuple(dropout_seed.shape)}")
+        if dropout_seed.stride(0) != 1:  # the kernels read it as a compact pair
+            raise ValueError(f"dropout_seed must be contiguous, got stride {dropout_seed.stride(0)}; "
+                             "call .contiguous()")
         if not dropout_p:
             raise ValueError("dropout_seed goes with dropout_p > 0")
     return dropout_p

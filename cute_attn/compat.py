@@ -4,7 +4,7 @@
 `cute_attn.mha_varlen`.
 
 Only what those kernels compute is accepted: an argument asking for something else
-(ALiBi, a paged KV cache, an arbitrary attention mask, SDPA's dropout) raises
+(ALiBi, a paged varlen cache, an arbitrary attention mask) raises
 NotImplementedError naming it, rather than being ignored. Everything else is checked by
 mha / mha_varlen (dtype, device, head dims, strides, scale), which raise TypeError /
 ValueError naming their own argument (`softmax_scale` for SDPA's `scale`).
@@ -195,12 +195,37 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         if value is not None:
             raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by cute_attn; pass None")
     if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
-        filled = k_cache.shape[1] if cache_seqlens is None else int(cache_seqlens)
-        cache_seqlens = torch.full((q.shape[0],), filled, dtype=torch.int32, device=q.device)
+        cache_seqlens = _host_cache_seqlens(q, k_cache, k, cache_seqlens, block_table)
     return mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=block_table,
                             causal=causal, window_size=window_size, softcap=softcap,
                             softmax_scale=softmax_scale, num_splits=num_splits,
                             return_lse=_checked_bool("return_softmax_lse", return_softmax_lse))
+
+
+def _host_cache_seqlens(q, k_cache, k, filled, block_table) -> Tensor:
+    """cache_seqlens given as an int (every entry holds that many keys) or None (every
+    entry full) as the int32 (batch,) tensor mha_with_kvcache takes, checked on the host
+    against the capacity (rows, or pages per entry x page size) and the new tokens."""
+    for name, t in (("q", q), ("k_cache", k_cache)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise TypeError(f"flash_attn_with_kvcache: {name} must be a 4-D torch.Tensor, got "
+                            f"{type(t).__name__}{'' if not isinstance(t, Tensor) else f' of shape {tuple(t.shape)}'}")
+    paged = isinstance(block_table, Tensor) and block_table.dim() == 2
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    new = k.shape[1] if isinstance(k, Tensor) and k.dim() == 4 else 0
+    if filled is None:
+        if new:
+            raise ValueError("flash_attn_with_kvcache: cache_seqlens=None means every entry is full "
+                             f"({capacity} keys), which leaves no room for the {new} new tokens of k, v: "
+                             "pass cache_seqlens")
+        filled = capacity
+    if isinstance(filled, bool):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got bool {filled!r}")
+    filled = int(filled)
+    if not 0 <= filled <= capacity - new:
+        raise ValueError(f"cache_seqlens={filled} with {new} new tokens does not fit the cache's {capacity} keys "
+                         "per entry")
+    return torch.full((q.shape[0],), filled, dtype=torch.int32, device=q.device)
 
 
 # ----------------------------------------------------------------------------------------
@@ -234,9 +259,12 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
     value need query's head count or 1 (which torch broadcasts: MQA), anything else is a
     ValueError, as it is an error in torch.
 
-    Raises NotImplementedError for attn_mask other than None (no arbitrary mask) and for
-    dropout_p != 0; ValueError for inputs that are not 4-D or head counts that need
-    enable_gqa; the rest as mha.
+    dropout_p > 0 runs mha's dropout (P's dropped entries zeroed, the kept ones scaled
+    by 1 / (1 - p), as torch's), its seed drawn from torch's generator.
+
+    Raises NotImplementedError for attn_mask other than None (no arbitrary mask);
+    ValueError for inputs that are not 4-D or head counts that need enable_gqa; the rest
+    as mha.
     """
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
@@ -254,13 +282,9 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
             "window_size for a sliding window"
         )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"sdpa: dropout_p must be a float (only 0.0 is supported), got "
-                        f"{type(dropout_p).__name__} {dropout_p!r}")
-    if dropout_p != 0:
-        raise NotImplementedError(
-            f"sdpa: dropout_p={dropout_p!r} is not supported (cute_attn has no attention "
-            "dropout); pass dropout_p=0.0"
-        )
+        raise TypeError(f"sdpa: dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
+    # mha's dropout (its checks: [0, 1)); the default passes nothing, mha's fast path
+    extra = {} if dropout_p == 0 else {"dropout_p": float(dropout_p)}
     is_causal = _checked_bool("is_causal", is_causal)
     enable_gqa = _checked_bool("enable_gqa", enable_gqa)
     heads, heads_k, heads_v = query.shape[1], key.shape[1], value.shape[1]
@@ -295,7 +319,7 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
                     "(config.UNBOUNDED) cannot be expressed as a window"
                 )
             window = (-1, right)
-    out = mha(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
+    out = mha(q, k, v, causal=causal, softmax_scale=scale, window_size=window, **extra)
     return out.transpose(1, 2)
 
 

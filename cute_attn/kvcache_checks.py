@@ -24,6 +24,7 @@ import torch
 
 from cute_attn.api import _NO_WINDOW
 from cute_attn.config import CAPABILITIES, DTYPE_OF_INPUT
+from cute_attn.split_heuristic import MAX_SPLITS
 from cute_attn.validation import (
     FOLD_MAX,
     FOLD_MIN,
@@ -160,7 +161,7 @@ def _plainly_valid(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax
     hkv = cs[2]
     if b < 1 or sq < 1 or h < 1 or hkv < 1 or h % hkv or cs[3] != d or d not in fwd.head_dims or cs[1] < 1:
         return False
-    if cache_seqlens.shape != (b,):
+    if cache_seqlens.shape != (b,) or (b > 1 and cache_seqlens.stride(0) != 1):
         return False
     if page_table is None:
         if cs[0] != b:
@@ -210,9 +211,10 @@ def _check_num_splits(num_splits):
             "num_splits must be an int (0: chosen by the heuristic, 1: no split, n > 1: n "
             f"splits of the keys), got {type(num_splits).__name__} {num_splits!r}"
         )
-    if num_splits < 0:
+    if not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(
-            f"num_splits must be >= 0 (0: chosen by the heuristic), got {num_splits}"
+            f"num_splits must be in [0, {MAX_SPLITS}] (0: chosen by the heuristic; more splits than "
+            f"{MAX_SPLITS} only add partials to merge), got {num_splits}"
         )
 
 
@@ -268,6 +270,8 @@ def _check_contiguous_cache(q, k_cache):
     """A (batch, seqlen_cache, nheads_kv, headdim) cache; returns its capacity."""
     for axis, label in ((0, "batch"), (3, "headdim")):
         _check_equal("k_cache", label, k_cache.shape[axis], q.shape[axis], shapes=(q, k_cache))
+    if k_cache.shape[1] < 1:
+        raise ValueError(f"k_cache holds no keys (seqlen_cache 0), shape {tuple(k_cache.shape)}")
     return k_cache.shape[1]
 
 
@@ -294,6 +298,8 @@ def _check_paged_cache(q, k_cache, page_table):
             f"row), got strides {page_table.stride()}; call .contiguous()"
         )
     _check_same_device("page_table", page_table, q)
+    if k_cache.shape[0] < 1:  # the append kernel clamps page indices into the pool
+        raise ValueError(f"a paged k_cache needs at least one page, got shape {tuple(k_cache.shape)}")
     return page_size, k_cache.shape[0]
 
 
@@ -330,6 +336,9 @@ def _check_cache_seqlens(cache_seqlens, q):
             f"cache_seqlens must have shape (batch,) = ({q.shape[0]},), one length per "
             f"entry, got shape {tuple(cache_seqlens.shape)}"
         )
+    if cache_seqlens.stride(0) != 1 and q.shape[0] > 1:  # the kernels read it as a compact vector
+        raise ValueError(f"cache_seqlens must be contiguous, got stride {cache_seqlens.stride(0)}; "
+                         "call .contiguous()")
     _check_same_device("cache_seqlens", cache_seqlens, q)
 
 

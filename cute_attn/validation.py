@@ -656,6 +656,8 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             raise ValueError(
                 f"{name} must have length batch + 1 >= 2, got length {t.shape[0]}"
             )
+        if t.stride(0) != 1:  # the kernels read it as a compact vector
+            raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}; call .contiguous()")
     if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
         raise ValueError(
             f"cu_seqlens_k must have the same length as cu_seqlens_q (batch + 1 = "

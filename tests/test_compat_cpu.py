@@ -398,14 +398,29 @@ def test_sdpa_rejects_inputs_that_are_not_4d(trap, name, shape):
      "attn_mask is not supported"),
     (dict(attn_mask=torch.zeros(5, 6), is_causal=True), NotImplementedError,
      "attn_mask is not supported"),
-    (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1 is not supported"),
+    (dict(dropout_p=1.5), ValueError, r"dropout_p must be in \[0, 1\)"),  # mha's check
     (dict(dropout_p="0.0"), TypeError, "dropout_p must be a float"),
     (dict(is_causal=1), TypeError, "is_causal must be a bool"),
     (dict(enable_gqa="yes"), TypeError, "enable_gqa must be a bool"),
-], ids=["mask", "mask-and-causal", "dropout", "dropout-type", "is_causal-type", "enable_gqa-type"])
+], ids=["mask", "mask-and-causal", "dropout-range", "dropout-type", "is_causal-type", "enable_gqa-type"])
 def test_sdpa_rejects(trap, kwargs, error, message):
     with pytest.raises(error, match=message):
         cute_attn.sdpa(*_sdpa_inputs(), **kwargs)
+
+
+def test_sdpa_dropout_is_mhas(monkeypatch):
+    """dropout_p > 0 reaches mha as its dropout_p (numpy scalars too); the default passes
+    nothing, so the plain call keeps mha's fast path."""
+    import numpy as np
+
+    import cute_attn.compat as compat
+
+    seen = []
+    monkeypatch.setattr(compat, "mha", lambda q, k, v, **kw: seen.append(kw) or torch.zeros_like(q))
+    cute_attn.sdpa(*_sdpa_inputs(), dropout_p=np.float32(0.25))
+    cute_attn.sdpa(*_sdpa_inputs())
+    assert seen[0]["dropout_p"] == 0.25 and type(seen[0]["dropout_p"]) is float
+    assert "dropout_p" not in seen[1]
 
 
 @pytest.mark.parametrize("heads", [(4, 2, 2), (4, 4, 2), (4, 2, 4)], ids=["gqa", "value-only", "key-only"])

@@ -5,6 +5,7 @@ shape it is drawn at, and mha's dropout argument checks (before any kernel)."""
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,9 @@ def _cpu_qkv():
     (dict(dropout_p=0.1, dropout_seed=[1, 2]), TypeError, "must be a torch.Tensor"),
     (dict(dropout_p=0.0, dropout_seed=torch.zeros(2, dtype=torch.int32)), ValueError, "goes with dropout_p"),
     (dict(dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int32)), ValueError, "dropout_seed is on cpu"),
+    (dict(dropout_p=0.1, dropout_seed=torch.zeros(4, dtype=torch.int32)[::2]), ValueError,
+     "dropout_seed must be contiguous"),
+    (dict(dropout_p=np.float32(1.5)), ValueError, r"in \[0, 1\)"),  # a numpy scalar is a float, checked as one
 ])
 def test_api_rejects_bad_dropout_arguments(kwargs, error, match, monkeypatch):
     monkeypatch.setattr(cute_attn.api, "_launcher_module", LauncherTrap(" on bad dropout arguments"))

@@ -278,3 +278,56 @@ def test_compiled_decode_step_equals_eager(reference_op):
         assert set(compiles) == {(0, 0)}, compiles
     finally:
         torch._dynamo.reset()
+
+
+def test_flash_attn_with_kvcache_host_lengths_are_checked(launcher):
+    """cache_seqlens as an int or None is checked on the host against the capacity and
+    the new tokens: None (every entry full) leaves no room for k, v; an int past the room
+    left, a negative one or a bool is an error; a paged cache's capacity is its pages per
+    entry times the page size (not the page size)."""
+    q, k_cache, v_cache, k, v = _inputs()
+    with pytest.raises(ValueError, match="cache_seqlens=None means every entry is full"):
+        cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v)
+    for bad in (63, 100, -3):  # 64 keys, 2 new
+        with pytest.raises(ValueError, match=f"cache_seqlens={bad} with 2 new tokens does not fit"):
+            cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad)
+    with pytest.raises(TypeError, match="got bool"):
+        cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=True)
+    with pytest.raises(TypeError, match="q must be a 4-D torch.Tensor"):
+        cute_attn.flash_attn_with_kvcache([[1.0]], k_cache, v_cache, cache_seqlens=3)
+    assert launcher.calls == []
+    cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=62)
+    assert launcher.calls[-1]["args"].cu_seqlens_k.tolist() == [64, 64, 64]
+    pages = torch.zeros(12, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    cute_attn.flash_attn_with_kvcache(q, pages, pages.clone(), block_table=table)
+    assert launcher.calls[-1]["args"].cu_seqlens_k.tolist() == [64, 64, 64]  # 4 pages of 16
+
+
+@pytest.mark.parametrize("case", ["no-pages", "no-rows", "strided-lengths", "num-splits"])
+def test_caches_with_no_room_strided_lengths_and_too_many_splits_are_refused(launcher, case):
+    """Before any kernel: a paged cache with no page (the append kernel would clamp a page
+    index to -1 and write before the cache), a contiguous cache with no row, a strided
+    cache_seqlens (the kernels read a compact vector), num_splits past MAX_SPLITS."""
+    from cute_attn.split_heuristic import MAX_SPLITS
+
+    q, k_cache, v_cache, k, v = _inputs()
+    lengths = torch.zeros(3, dtype=torch.int32)
+    kwargs = dict(cache_seqlens=lengths)
+    if case == "no-pages":
+        k_cache = v_cache = torch.zeros(0, 16, 2, 64, dtype=torch.bfloat16)
+        kwargs["page_table"] = torch.zeros(3, 2, dtype=torch.int32)
+        match = "needs at least one page"
+    elif case == "no-rows":
+        k_cache = v_cache = torch.zeros(3, 0, 2, 64, dtype=torch.bfloat16)
+        k = v = None
+        match = "holds no keys"
+    elif case == "strided-lengths":
+        kwargs["cache_seqlens"] = torch.zeros(6, dtype=torch.int32)[::2]
+        match = "cache_seqlens must be contiguous"
+    else:
+        kwargs["num_splits"] = MAX_SPLITS + 1
+        match = rf"num_splits must be in \[0, {MAX_SPLITS}\]"
+    with pytest.raises(ValueError, match=match):
+        cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    assert launcher.calls == []

@@ -532,7 +532,8 @@ def test_cache_strides_tma_aligned():
 
 
 @pytest.mark.parametrize("value, exc, msg", [
-    (-1, ValueError, r"^num_splits must be >= 0 \(0: chosen by the heuristic\), got -1"),
+    (-1, ValueError, r"^num_splits must be in \[0, 128\] \(0: chosen by the heuristic; .*\), got -1"),
+    (129, ValueError, r"^num_splits must be in \[0, 128\] .* got 129"),
     (1.5, TypeError, r"^num_splits must be an int .* got float 1.5"),
     (True, TypeError, r"^num_splits must be an int .* got bool True"),
     (None, TypeError, r"^num_splits must be an int .* got NoneType None"),

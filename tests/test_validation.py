@@ -472,6 +472,7 @@ def _with(case):
     (("cu_seqlens_k", lambda t: t.float()), TypeError, r"cu_seqlens_k must be torch.int32, got torch.float32"),
     (("cu_seqlens_k", lambda t: t[None]), ValueError, r"cu_seqlens_k must be 1-D \(batch \+ 1 offsets\), got shape \(1, 4\)"),
     (("cu_seqlens_q", lambda t: t[:1]), ValueError, r"cu_seqlens_q must have length batch \+ 1 >= 2, got length 1"),
+    (("cu_seqlens_k", lambda t: torch.stack([t, t], 1)[:, 0]), ValueError, r"cu_seqlens_k must be contiguous, got stride 2"),
     (("cu_seqlens_k", lambda t: t[:3]), ValueError, r"cu_seqlens_k must have the same length as cu_seqlens_q \(batch \+ 1 = 4\), got 3"),
     (("max_seqlen_q", 5.0), TypeError, r"max_seqlen_q must be a Python int, got float"),
     (("max_seqlen_k", True), TypeError, r"max_seqlen_k must be a Python int, got bool"),
