@@ -262,6 +262,9 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
         for i, t in enumerate(() if mod is None else mod.aux):
             if t.device != q.device:
                 raise ValueError(f"{mod.name}'s aux tensor {i} is on {t.device}, q on {q.device}")
+        if mod is not None:  # varlen: the batch is the sequences, positions run over the totals
+            batch = q.shape[0] if varlen is None else varlen[0].shape[0] - 1
+            mod.check_extents(batch, q.shape[-2], q.shape[-3], k.shape[-3])
     # the mods replace the mask kind (then "none"); a sink alone keeps causal/window/softcap
     features, run_args = _features_and_args(causal, window, softcap, scale, varlen)
     dropout_p, dropout_seed = dropout

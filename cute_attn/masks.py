@@ -206,10 +206,14 @@ class Modifier:
 
     kind: "mask" or "score". fn: the body (see the module docstring), taking ``seq`` last
     or not. spec: its static part (ModSpec), what a compiled kernel is cached by; the aux
-    tensors' values are run-time arguments of the kernel.
+    tensors' values are run-time arguments of the kernel. aux_extents: per aux tensor,
+    None or the call dimension each of its dims is indexed by ("batch", "heads", or
+    "tokens": query and key positions), so a call can refuse an aux tensor too small to
+    index (check_extents) instead of reading past it; the built-ins give theirs.
     """
 
-    def __init__(self, kind: str, fn: Callable, aux: Sequence[torch.Tensor] = (), name: Optional[str] = None):
+    def __init__(self, kind: str, fn: Callable, aux: Sequence[torch.Tensor] = (), name: Optional[str] = None,
+                 aux_extents: Sequence[Optional[tuple]] = ()):
         if torch.compiler.is_compiling():
             # the key below reads bytecode and hashes it, which dynamo cannot trace
             raise RuntimeError("a mask/score mod cannot be made inside a torch.compile'd function: make it outside "
@@ -238,6 +242,7 @@ class Modifier:
                 raise TypeError(f"aux tensor {i} must be a torch.Tensor, got {type(t).__name__}")
         if self.aux and not self.takes_seq:
             raise TypeError(f"{getattr(fn, '__name__', fn)} has aux tensors but no seq parameter to read them")
+        self.aux_extents = tuple(aux_extents) or (None,) * len(self.aux)
         self.name = name or getattr(fn, "__name__", kind + "_mod")
         # computed now, not on first use: torch.compile may trace that first use, and the
         # key's bytecode walk and hash are not traceable (a captured tensor raises here)
@@ -249,6 +254,18 @@ class Modifier:
             template = copy.copy(self)
             template.aux = ()
             _BY_DIGEST[self.spec.digest] = template
+
+    def check_extents(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int):
+        """Raise ValueError if an aux tensor with known extents (aux_extents) is too small
+        for a call of this batch, head count and lengths (a packed varlen batch: its
+        totals), which the mod would index past (the kernels clamp positions into the
+        sequence, not into the aux tensor)."""
+        need = {"batch": batch, "heads": heads, "tokens": max(seqlen_q, seqlen_k)}
+        for i, (t, extents) in enumerate(zip(self.aux, self.aux_extents)):
+            for dim, what in enumerate(extents or ()):
+                if t.dim() <= dim or t.shape[dim] < need[what]:
+                    raise ValueError(f"{self.name}: aux tensor {i} has shape {tuple(t.shape)}, but dim {dim} is "
+                                     f"indexed by {what} and this call has {what} = {need[what]}")
 
     def rebound(self, aux: Sequence[torch.Tensor]) -> "Modifier":
         """This mod reading other aux tensors of the same dtypes and ranks (its key)."""
@@ -302,8 +319,8 @@ class Modifier:
 _BY_DIGEST: dict = {}
 
 
-def _mask(fn, name, aux=()):
-    return Modifier("mask", fn, aux, name)
+def _mask(fn, name, aux=(), aux_extents=()):
+    return Modifier("mask", fn, aux, name, aux_extents)
 
 
 def _sub(seq: SeqInfo, start: int, mod: Modifier) -> SeqInfo:
@@ -405,7 +422,7 @@ def prefix_lm(prefix_lens):
         key = kv_idx - seq.offset_k
         return (key < seq.aux[0][b]) | (key <= q_idx - seq.offset_q)
 
-    return _mask(prefix_lm, "prefix_lm", (lens,))
+    return _mask(prefix_lm, "prefix_lm", (lens,), (("batch",),))
 
 
 def document(doc_ids, causal=False):
@@ -430,7 +447,8 @@ def document(doc_ids, causal=False):
             same = same & (kv_idx <= q_idx)
         return same
 
-    return _mask(document, "document_causal" if causal else "document", (ids,))
+    return _mask(document, "document_causal" if causal else "document", (ids,),
+                 ((("tokens",) if packed else ("batch", "tokens")),))
 
 
 def and_masks(*mask_mods):
@@ -444,7 +462,8 @@ def and_masks(*mask_mods):
             visible = visible & mod(b, h, q_idx, kv_idx, seq=_sub(seq, start, mod))
         return visible
 
-    return _mask(and_masks, "and(" + ", ".join(m.name for m in mods) + ")", sum((m.aux for m in mods), ()))
+    return _mask(and_masks, "and(" + ", ".join(m.name for m in mods) + ")", sum((m.aux for m in mods), ()),
+                 sum((m.aux_extents for m in mods), ()))
 
 
 def or_masks(*mask_mods):
@@ -458,7 +477,8 @@ def or_masks(*mask_mods):
             visible = visible | mod(b, h, q_idx, kv_idx, seq=_sub(seq, start, mod))
         return visible
 
-    return _mask(or_masks, "or(" + ", ".join(m.name for m in mods) + ")", sum((m.aux for m in mods), ()))
+    return _mask(or_masks, "or(" + ", ".join(m.name for m in mods) + ")", sum((m.aux for m in mods), ()),
+                 sum((m.aux_extents for m in mods), ()))
 
 
 # ----------------------------------------------------------------------------------------
@@ -500,4 +520,4 @@ def alibi(slopes):
         distance = (kv_idx - seq.offset_k) - (q_idx - seq.offset_q) - (seq.seqlen_k - seq.seqlen_q)
         return score + seq.aux[0][h] * as_float(distance)
 
-    return Modifier("score", alibi, (s,), "alibi")
+    return Modifier("score", alibi, (s,), "alibi", (("heads",),))

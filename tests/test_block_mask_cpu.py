@@ -242,6 +242,16 @@ def _cpu_qkv(dtype=torch.bfloat16):
     (dict(learnable_sink=fake_cuda(torch.zeros(1, 2))), ValueError, "shape"),
     (dict(learnable_sink=fake_cuda(torch.zeros(2, dtype=torch.int32))), TypeError, "float32, bfloat16"),
     (dict(learnable_sink=torch.zeros(2)), ValueError, "learnable_sink is on cpu"),
+    # aux tensors too small for the call (batch 1, 64 tokens, 2 heads): the kernel would
+    # read past them (ALiBi's slopes) or the block-mask builder index past them
+    (dict(score_mod=masks.alibi(fake_cuda(torch.ones(1)))), ValueError,
+     r"alibi: aux tensor 0 has shape \(1,\), but dim 0 is indexed by heads and this call has heads = 2"),
+    (dict(mask_mod=masks.document(fake_cuda(torch.zeros(1, 32, dtype=torch.int32)))), ValueError,
+     "dim 1 is indexed by tokens and this call has tokens = 64"),
+    (dict(mask_mod=masks.prefix_lm(fake_cuda(torch.zeros(0, dtype=torch.int32)))), ValueError,
+     "indexed by batch and this call has batch = 1"),
+    (dict(mask_mod=masks.and_masks(masks.causal(), masks.document(fake_cuda(torch.zeros(63, dtype=torch.int32))))),
+     ValueError, r"and\(causal, document\): aux tensor 0 has shape \(63,\)"),
 ])
 def test_api_rejects_bad_mod_arguments(kwargs, error, match, monkeypatch):
     monkeypatch.setattr(cute_attn.api, "_launcher_module", LauncherTrap(" on bad mod arguments"))
