@@ -379,7 +379,10 @@ def create_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k:
                       aux_tensors=(), device=None) -> BlockMask:
     """The block mask mha(mask_mod=...) needs for inputs of this shape and head dim (the
     head dim fixes the kernel's tiles): build it once, pass it to every call as
-    block_mask=. Without it mha builds one per new (mask, shape) and caches it."""
+    block_mask=. Without it mha builds one per new (mask, shape) and caches it.
+    A block mask is checked against the call's mod, shape and tiles, not against its aux
+    tensors' values: one built for other document ids is accepted and skips or computes
+    tiles by those ids (as FlexAttention's block masks), so rebuild it when they change."""
     from cute_attn.config import mod_fwd_config_for
 
     mod = Modifier.of("mask", mask_mod, aux_tensors)

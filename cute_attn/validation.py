@@ -217,6 +217,8 @@ def _check_dtypes(q, k, v):
     policy = DTYPE_OF_INPUT.get(q.dtype)
     if policy is None or policy.name not in fwd.dtypes:
         hint = "; cast with .to(torch.bfloat16) or .half()" if q.dtype == torch.float32 else ""
+        if q.dtype.is_floating_point and q.dtype.itemsize == 1:  # another FP8 format than the kernels'
+            hint = "; the FP8 forward takes torch.float8_e4m3fn with q/k/v_descale (cute_attn.quantize_fp8)"
         raise TypeError(f"q must be {_accepted_dtypes(fwd)}, got {q.dtype}{hint}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:

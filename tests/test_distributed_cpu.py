@@ -186,6 +186,13 @@ def test_bad_arguments_raise_clear_errors(one_rank_group):
         cp.ring_mha(q, q, q, window_size=(-3, 0), layout="contiguous", local=local)
     with pytest.raises(TypeError, match="bfloat16"):
         cp.ring_mha(q, q, q)  # the kernels' checks: float32 is not theirs
+    for fn in (cp.ring_mha, cp.ulysses_mha):  # a string is not a bool ("no" would be True)
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            fn(q, q, q, causal="no", local=local)
+        with pytest.raises(TypeError, match="return_lse must be a bool"):
+            fn(q, q, q, return_lse=1, local=local)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cp.ring_mha_varlen(q[0], q[0], q[0], [0, 8], causal="no", local=local)
 
 
 def test_one_rank_is_plain_attention(one_rank_group):

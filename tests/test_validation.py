@@ -69,6 +69,12 @@ def test_fp32_rejected_with_cast_hint():
         validate_fwd_inputs(q, k, v, None)
 
 
+def test_other_fp8_format_rejected_with_the_fp8_path_named():
+    q, k, v = (t.to(torch.float8_e5m2) for t in _qkv())
+    with pytest.raises(TypeError, match=r"got torch.float8_e5m2; the FP8 forward takes torch.float8_e4m3fn"):
+        validate_fwd_inputs(q, k, v, None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.float8_e4m3fn])
 def test_other_dtypes_rejected(dtype):
     q, k, v = (t.to(dtype) for t in _qkv())

@@ -50,6 +50,7 @@ from cute_attn.validation import (
     _check_offsets,
     _check_rank,
     _check_shapes,
+    validate_flags,
     validate_fwd_inputs,
     validate_softcap,
     validate_window_size,
@@ -118,6 +119,7 @@ def ring_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, c
     Differentiable in q, k, v. local: the per-rank attention (KernelAttention, the
     default; ReferenceAttention for CPU tests).
     """
+    causal, return_lse, _ = validate_flags(causal, return_lse, False)  # "no" is not False
     world_size = _world_size(group)
     local = KernelAttention() if local is None else local
     left, right = _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size)
@@ -156,6 +158,7 @@ def ring_mha_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     q, or (out, lse) with lse float32 (heads, total / W) (mha_varlen's layout).
     Differentiable in q, k, v.
     """
+    causal, return_lse, _ = validate_flags(causal, return_lse, False)  # "no" is not False
     world_size = _world_size(group)
     local = KernelAttention() if local is None else local
     cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
@@ -187,6 +190,7 @@ def ulysses_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *
     ring_mha's (window_size too). nheads must divide by the world size, and nheads_kv
     divide by it or divide it (fewer KV heads than ranks: each rank gets a copy of the
     KV head its query heads read)."""
+    causal, return_lse, _ = validate_flags(causal, return_lse, False)  # "no" is not False
     world_size = _world_size(group)
     local = KernelAttention() if local is None else local
     window_size = _check_shards(q, k, v, layout, local, softmax_scale, softcap, window_size)
