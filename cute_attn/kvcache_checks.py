@@ -28,6 +28,7 @@ from cute_attn.split_heuristic import MAX_SPLITS
 from cute_attn.validation import (
     FOLD_MAX,
     FOLD_MIN,
+    GRID_YZ_MAX,
     _BOOL_TYPES,
     _capturing_cuda_graph,
     _check_softcap_scale,
@@ -36,6 +37,7 @@ from cute_attn.validation import (
     plainly_tma_operands,
     _check_dtypes,
     _check_equal,
+    _check_grid_extents,
     _check_is_tensor,
     _check_operands,
     _check_rank,
@@ -161,6 +163,8 @@ def _plainly_valid(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax
     hkv = cs[2]
     if b < 1 or sq < 1 or h < 1 or hkv < 1 or h % hkv or cs[3] != d or d not in fwd.head_dims or cs[1] < 1:
         return False
+    if b > GRID_YZ_MAX or h > GRID_YZ_MAX:
+        return False
     if cache_seqlens.shape != (b,) or (b > 1 and cache_seqlens.stride(0) != 1):
         return False
     if page_table is None:
@@ -263,6 +267,7 @@ def _check_caches(q, k_cache, v_cache, page_table):
         capacity = page_table.shape[1] * page_size
     _check_equal("v_cache", "shape", tuple(v_cache.shape), tuple(k_cache.shape), ref="k_cache")
     validate_gqa_heads(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+    _check_grid_extents(q.shape[0], q.shape[2])
     return capacity, page_size, num_pages
 
 

@@ -118,6 +118,18 @@ def plainly_tma_operands(policy, q, k, v):
                 or q.is_neg() or k.is_neg() or v.is_neg())
 
 
+# The launch grids put heads and batch entries (or sequences) on grid.y and grid.z
+# (blocks/tile_scheduler.py), which CUDA caps at 65535 each
+GRID_YZ_MAX = 65535
+
+
+def _check_grid_extents(batch, heads, batch_name="batch"):
+    for name, value in ((batch_name, batch), ("nheads", heads)):
+        if value > GRID_YZ_MAX:
+            raise ValueError(f"{name} must be at most {GRID_YZ_MAX} (a dimension of the kernels' launch grid), "
+                             f"got {value}; split the call")
+
+
 def _plainly_valid(q, k, v, softmax_scale):
     """The common case in as few attribute reads as possible (this runs on every call;
     perf/NOTES.md has the host-time breakdown). False means "look closer", never
@@ -133,6 +145,8 @@ def _plainly_valid(q, k, v, softmax_scale):
         return False
     b, sq, h, d = qs
     if ks[0] != b or ks[2] < 1 or h % ks[2] or ks[3] != d or d not in fwd.head_dims or sq < 1 or ks[1] < 1 or b < 1 or h < 1:
+        return False
+    if b > GRID_YZ_MAX or h > GRID_YZ_MAX:
         return False
     if not plainly_tma_operands(policy, q, k, v):
         return False
@@ -178,6 +192,7 @@ def _check_shapes(q, k, v):
     _check_equal("v", "seqlen", v.shape[1], k.shape[1], ref="k")
     # batch, seqlen_q, seqlen_k and nheads may be 0: such a call needs no kernel
     validate_gqa_heads(q, k, v)
+    _check_grid_extents(q.shape[0], q.shape[2])
 
 
 # ----------------------------------------------------------------------------------------
@@ -665,6 +680,7 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             f"cu_seqlens_k must have the same length as cu_seqlens_q (batch + 1 = "
             f"{cu_seqlens_q.shape[0]}), got {cu_seqlens_k.shape[0]}"
         )
+    _check_grid_extents(cu_seqlens_q.shape[0] - 1, q.shape[1], "the number of sequences")
     maxes = {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
     for name, value in maxes.items():
         if value is None:

@@ -69,6 +69,24 @@ def test_fp32_rejected_with_cast_hint():
         validate_fwd_inputs(q, k, v, None)
 
 
+def test_batch_and_heads_past_the_launch_grid_are_refused():
+    """Heads and batch entries ride grid.y and grid.z (65535 at most): a call past them is
+    a ValueError naming the dimension, not a launch error after a compile."""
+    from cute_attn.validation import GRID_YZ_MAX
+
+    q = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16).expand(GRID_YZ_MAX + 1, 1, 1, 64)
+    with pytest.raises(ValueError, match=rf"batch must be at most {GRID_YZ_MAX} .* got {GRID_YZ_MAX + 1}"):
+        validate_fwd_inputs(q, q, q, None)
+    q = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16).expand(1, 1, GRID_YZ_MAX + 1, 64)
+    k = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"nheads must be at most {GRID_YZ_MAX}"):
+        validate_fwd_inputs(q, k, k, None)
+    q = torch.zeros(GRID_YZ_MAX + 1, 1, 64, dtype=torch.bfloat16)
+    cu = torch.arange(GRID_YZ_MAX + 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"the number of sequences must be at most {GRID_YZ_MAX}"):
+        validate_varlen_inputs(q, q, q, cu, cu)
+
+
 def test_other_fp8_format_rejected_with_the_fp8_path_named():
     q, k, v = (t.to(torch.float8_e5m2) for t in _qkv())
     with pytest.raises(TypeError, match=r"got torch.float8_e5m2; the FP8 forward takes torch.float8_e4m3fn"):
