@@ -183,7 +183,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             return_softmax_lse: bool = False):
     """FlashAttention 2's flash_attn_with_kvcache (names, order, defaults) over
     cute_attn.mha_with_kvcache. cache_seqlens: an int32 (batch,) tensor, an int (every
-    entry holds that many keys) or None (every entry full). block_table is the paged
+    entry holds that many keys) or None (every entry full: its rows, or its pages times
+    the page size; then no new k, v fit). An int or None is checked on the host: the
+    entry's keys plus the new tokens must fit the cache (a ValueError otherwise). block_table is the paged
     cache's page table (mha_with_kvcache's page_table). Returns out, or (out, softmax_lse)
     with return_softmax_lse=True. Raises NotImplementedError naming rotary_cos /
     rotary_sin, cache_batch_idx, cache_leftpad and alibi_slopes when given."""
