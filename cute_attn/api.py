@@ -312,6 +312,12 @@ def _checked_dropout_p(dropout_p, dropout_seed) -> float:
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    from cute_attn.dropout import threshold
+
+    if 0.0 < dropout_p and threshold(dropout_p) == 0:
+        # the kernels drop by an 8-bit threshold (cute_attn/dropout.py): p is taken to 1/256
+        raise ValueError(f"dropout_p={dropout_p!r} rounds to no dropout (the kernels take p in steps of 1/256); "
+                         "pass 0.0, or more than 1/512")
     if dropout_seed is not None:
         if not isinstance(dropout_seed, Tensor):
             raise TypeError(f"dropout_seed must be a torch.Tensor, got {type(dropout_seed).__name__}")

@@ -434,9 +434,10 @@ def validate_fp8_operands(q, k, v, descales, out_dtype, batch, softmax_scale, so
     policy = FP8_POLICY_OF_OUTPUT.get(torch.bfloat16 if out_dtype is None else out_dtype)
     if policy is None:
         raise TypeError(f"out_dtype must be None (bfloat16), torch.bfloat16 or torch.float16, got {out_dtype}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *descales)):
+        # descales included: a descale requiring grad would otherwise get none, silently
         raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad() "
-                                  "or with tensors that do not require grad")
+                                  "or with tensors (descales too) that do not require grad")
     head_dims = CAPABILITIES["fwd_fp8"].head_dims
     d = q.shape[-1]
     if d not in head_dims:

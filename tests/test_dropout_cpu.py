@@ -102,6 +102,7 @@ def _cpu_qkv():
     (dict(dropout_p=0.1, dropout_seed=torch.zeros(4, dtype=torch.int32)[::2]), ValueError,
      "dropout_seed must be contiguous"),
     (dict(dropout_p=np.float32(1.5)), ValueError, r"in \[0, 1\)"),  # a numpy scalar is a float, checked as one
+    (dict(dropout_p=0.001), ValueError, "rounds to no dropout"),  # below 1/512: the 8-bit threshold is 0
 ])
 def test_api_rejects_bad_dropout_arguments(kwargs, error, match, monkeypatch):
     monkeypatch.setattr(cute_attn.api, "_launcher_module", LauncherTrap(" on bad dropout arguments"))

@@ -343,6 +343,12 @@ def test_fp8_call_checks_dtypes_and_descales_naming_the_argument():
         cute_attn.mha(q8, k8, v8, out_dtype=torch.float32)
     with pytest.raises(ValueError, match="out_dtype is for FP8 inputs"):
         cute_attn.mha(q8.bfloat16(), k8.bfloat16(), v8.bfloat16(), out_dtype=torch.float16)
+    # a descale that requires grad would get none (the FP8 forward has no backward)
+    with pytest.raises(NotImplementedError, match="has no backward"):
+        cute_attn.mha(q8, k8, v8, v_descale=torch.ones(2, 2, requires_grad=True))
+    with torch.no_grad():  # no autograd: the check does not apply (then the CPU device is refused)
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            cute_attn.mha(q8, k8, v8, v_descale=torch.ones(2, 2, requires_grad=True))
 
 
 def test_fp8_call_checks_head_dim_layout_and_device():
