@@ -258,12 +258,12 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
     score = Modifier.of("score", score_mod, aux_tensors if plain and plain[0] is score_mod else ())
     if block_mask is not None and mask is None:
         raise ValueError("block_mask goes with a mask_mod")
+    batch = q.shape[0] if varlen is None else varlen[0].shape[0] - 1  # varlen: the sequences
     for mod in (mask, score):
         for i, t in enumerate(() if mod is None else mod.aux):
             if t.device != q.device:
                 raise ValueError(f"{mod.name}'s aux tensor {i} is on {t.device}, q on {q.device}")
-        if mod is not None:  # varlen: the batch is the sequences, positions run over the totals
-            batch = q.shape[0] if varlen is None else varlen[0].shape[0] - 1
+        if mod is not None:  # positions run over the sequence (varlen: the totals)
             mod.check_extents(batch, q.shape[-2], q.shape[-3], k.shape[-3])
     # the mods replace the mask kind (then "none"); a sink alone keeps causal/window/softcap
     features, run_args = _features_and_args(causal, window, softcap, scale, varlen)

@@ -738,13 +738,23 @@ def _tile_queue(device):
     One per (device, stream) like the split workspace's counters, for the same reasons:
     kernels on one stream run in order and each leaves it zero, two streams may run at
     once; under CUDA graph capture the graph gets its own, zeroed by a memset it replays."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
-    counter = _tile_queues.get((device, stream))
+    key = _stream_key(device)
+    counter = None if key is None else _tile_queues.get(key)
     if counter is None:
-        counter = _tile_queues[(device, stream)] = torch.zeros(2, dtype=torch.int32, device=device)
+        counter = torch.zeros(2, dtype=torch.int32, device=device)
+        if key is not None:
+            _tile_queues[key] = counter
     return counter
+
+
+def _stream_key(device):
+    """(device, raw stream) of the current stream, the key of the per-stream scratch that
+    kernels on one stream share in turn (the split workspace, the tile queue); None while
+    a CUDA graph captures, whose calls get scratch of their own (the graph's pool), as a
+    graph may be replayed on another stream while this one runs eager calls."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    return device, torch._C._cuda_getCurrentRawStream(device.index)
 
 
 def _unused_page_table(device):
@@ -861,15 +871,15 @@ def _split_workspace(device, parts: int, seqlen_q: int, heads: int, head_dim: in
     pool; the counters zeroed by a memset the graph replays), as a graph may be replayed
     on another stream while this one runs eager calls."""
     f32 = dict(dtype=torch.float32, device=device)
-    if torch.cuda.is_current_stream_capturing():
+    stream_key = _stream_key(device)
+    if stream_key is None:
         return (torch.empty((parts, seqlen_q, heads, head_dim), **f32), torch.empty((parts, heads, seqlen_q), **f32),
                 torch.zeros(tiles, dtype=torch.int32, device=device))
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
-    key = (device, stream, parts, seqlen_q, heads, head_dim, tiles)
+    key = (*stream_key, parts, seqlen_q, heads, head_dim, tiles)
     views = _workspace_views.get(key)
     if views is not None:
         return views
-    floats, zeros = _workspace_buffers.setdefault((device, stream), ([], []))
+    floats, zeros = _workspace_buffers.setdefault(stream_key, ([], []))
     o_numel = parts * seqlen_q * heads * head_dim  # a multiple of 4: LSE starts 16-byte aligned
     numel = o_numel + parts * heads * seqlen_q
     if not floats or floats[-1].numel() < numel:

@@ -331,3 +331,27 @@ def test_caches_with_no_room_strided_lengths_and_too_many_splits_are_refused(lau
     with pytest.raises(ValueError, match=match):
         cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
     assert launcher.calls == []
+
+
+def test_per_stream_scratch_is_one_per_stream_and_fresh_under_capture(monkeypatch):
+    """launcher._stream_key: the tile queue's counter (and the split workspace) is one per
+    (device, stream), reused by that stream's calls, and a CUDA graph's capture gets a
+    fresh zeroed one (its replays may run beside eager calls on the captured stream)."""
+    from cute_attn import launcher
+
+    stream, capturing = [1], [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    # (a CPU build of torch has no _cuda_getCurrentRawStream)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: stream[0], raising=False)
+    monkeypatch.setattr(launcher, "_tile_queues", {})
+    device = torch.device("cpu")
+    first = launcher._tile_queue(device)
+    assert first is launcher._tile_queue(device) and torch.equal(first, torch.zeros(2, dtype=torch.int32))
+    stream[0] = 2
+    assert launcher._tile_queue(device) is not first
+    capturing[0] = True
+    captured = launcher._tile_queue(device)
+    assert captured is not launcher._tile_queue(device) and len(launcher._tile_queues) == 2
+    capturing[0] = False
+    parts = launcher._split_workspace(device, 2, 3, 4, 8, 5)
+    assert parts is launcher._split_workspace(device, 2, 3, 4, 8, 5) and not parts[2].any()
