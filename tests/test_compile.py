@@ -573,3 +573,18 @@ def test_split_d_config_is_validated():
     for bad in (dict(tile_n=128), dict(dq_warpgroups=1)):
         with pytest.raises(ValueError, match="split_d"):
             BwdConfig(**{**dict(tile_m=64, tile_n=64, dq_warpgroups=2, split_d=True), **bad})
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_head_dim_64_backward_splits_dq_by_queries(mask):
+    """At head dim 64 (128 query rows per step, two warpgroups) dQ = dS K runs as 64 x 64
+    WGMMAs, one per warpgroup's 64 rows (dq_accum.make_dq_mma stacks the warpgroups along
+    M), not as 64 x 32 halves of the head dim: the main kernel has no n32 WGMMA left (S^T
+    and dP^T are n128, dV and dK n64), and no spill."""
+    arts = ptx_tool.compile_bwd_artifacts("bf16", 64, AttnFeatures(mask=mask))
+    main = arts["main"]
+    assert main.key.config.tile_m == 128 and main.key.config.dq_warpgroups == 2
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", main.ptx))
+    assert shapes == {"64", "128"}, shapes
+    if main.cubin is not None:
+        assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report

@@ -21,9 +21,16 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cute_attn.blocks import mma_sm90
 
 
-def make_dq_mma(dtype, head_dim: int, num_warpgroups: int) -> cute.TiledMma:
-    """dQ = dS K for one query tile: M = tile_m (64), N = head_dim split across the
-    warpgroups, K = tile_n; A (dS) is MN-major in smem, B (K^T) MN-major."""
+def make_dq_mma(dtype, head_dim: int, num_warpgroups: int, tile_m: int) -> cute.TiledMma:
+    """dQ = dS K for one query tile: M = tile_m, N = head_dim, K = tile_n; A (dS) is
+    MN-major in smem, B (K^T) MN-major. With 64 query rows per warpgroup the warpgroups
+    stack along M, each a whole-head-dim WGMMA; otherwise they split N (head_dim /
+    num_warpgroups columns each). At head dim 64 the N split ran 64 x 32 WGMMAs, which
+    read their smem operands for half the work of 64 x 64 ones (FlashAttention-4 splits
+    the queries there)."""
+    if num_warpgroups > 1 and tile_m == 64 * num_warpgroups:
+        return mma_sm90.make_tiled_mma(dtype, OperandMajorMode.MN, head_dim, num_warpgroups,
+                                       a_major=OperandMajorMode.MN)
     return mma_sm90.make_tiled_mma(
         dtype, OperandMajorMode.MN, head_dim // num_warpgroups, num_warpgroups,
         a_major=OperandMajorMode.MN, warpgroups_along_n=True,

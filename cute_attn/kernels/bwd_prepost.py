@@ -115,7 +115,7 @@ class BwdPostprocess:
         stream,
     ):
         d = self.head_dim
-        tiled_mma_dq = dq_accum.make_dq_mma(self.dtype, d, self.dq_wgs)
+        tiled_mma_dq = dq_accum.make_dq_mma(self.dtype, d, self.dq_wgs, self.tile_m)
         sdQ_layout = mma_sm90.make_smem_layout(self.out_dtype, self.tile_m, d,
                                                atom_cols=d // self.dq_wgs if self.split_d else None)
 

@@ -288,7 +288,7 @@ class FlashBwdSm90:
                 self.p_dtype, OperandMajorMode.MN, d // wgs if self.split_d else d, wgs,
                 a_in_registers=not self.split_d, warpgroups_along_n=self.split_d,
             ),
-            mma_dq=dq_accum.make_dq_mma(self.p_dtype, d, self.dq_wgs),
+            mma_dq=dq_accum.make_dq_mma(self.p_dtype, d, self.dq_wgs, self.tile_m),
         )
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         q_tile = cute.select(layouts.sQ, mode=[0, 1])
