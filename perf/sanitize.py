@@ -143,6 +143,11 @@ CASES = (
     Case("persistent-hd64-gqa", head_dim=64, batch=4, seqlen_q=1000, seqlen_k=1111, nheads=16, nheads_kv=4,
          softcap=20.0),
     Case("persistent-queue-causal-gqa", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4, causal=True),
+    # the same tiles dealt round robin (no queue), and through the queue without GQA
+    Case("persistent-rr-causal-gqa", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4, causal=True,
+         backward=False, extra={"config": "round_robin"}),
+    Case("persistent-queue-causal", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=16, causal=True,
+         backward=False),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
     Case("lse-combine", batch=2, seqlen_q=300, nheads=3, backward=False, extra={"combine": 3}),
 )
@@ -287,6 +292,10 @@ def force_config(name):
     if name == "p_double_buffer":
         launcher.fp8_fwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.fp8_fwd_config_for(*a, **kw), p_double_buffer=True)
+    elif name == "round_robin":
+        from cute_attn import tuning
+        tuning.with_persistent_grid = lambda *a, **kw: dataclasses.replace(
+            config.with_persistent_grid(*a, **kw), tile_queue=False)
     elif name is not None:
         raise ValueError(f"unknown forced config {name!r}")
 

@@ -98,6 +98,7 @@ from cute_attn.blocks.tma_pipeline import (
     make_tma_pipeline,
     make_tma_tensor,
     prefetch_descriptors,
+    release_after_loads,
     tma_partition,
 )
 from cute_attn.blocks.views import bshd_as_sdhb, pack_heads_into_rows, rowwise_as_rhb
@@ -434,7 +435,8 @@ class FlashFwdSm90:
         NEXT_TILE_<parity>; the consumers, done with the tile, wait there and read it. The
         producer cannot reach the same parity's slot again before every consumer warp
         has read it: that needs the Q stage of the tile in between, which the consumers
-        release only after they read the slot."""
+        release only after they read the slot (each warp synchronised first, so every
+        lane's read precedes its warp's arrive)."""
         tiles = self.scheduler.work_tiles(g.q.tensor, None, None)
         num_tiles = tiles[0] * tiles[1] * tiles[2]
         index = self.scheduler.first_index()
@@ -755,8 +757,14 @@ class FlashFwdSm90:
                 softmax.rescale(acc_O, pending_scale)
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
         if cutlass.const_expr(self.persistent):
-            # this warpgroup's QK^T WGMMAs have completed: Q's buffer may take the next tile
-            pipes.q.consumer_release(q_state)
+            # this warpgroup's QK^T WGMMAs have completed: Q's buffer may take the next tile.
+            # With the tile queue the warp's lanes read the hand-off slot (run_persistent)
+            # with ordinary loads since the last release: a warp barrier orders them before
+            # lane 0's arrive (racecheck found the write-after-read without it)
+            if cutlass.const_expr(self.tile_queue):
+                release_after_loads(q_state, pipes.q)
+            else:
+                pipes.q.consumer_release(q_state)
             q_state.advance()
 
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
