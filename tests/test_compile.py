@@ -329,11 +329,12 @@ def test_persistent_forward_compiles_with_a_tile_loop(head_dim, mask, tile_queue
     """FwdConfig.persistent_ctas: spill-free, no warpgroup.arrive injected by ptxas, and
     a loop over work tiles, which steps by the grid's size (nctaid.x): the one-tile grid
     of the same features never reads it. With the tile queue: one atomic add (the
-    ticket), the NEXT_TILE hand-off between the producer warp and the consumers, and a
-    warp barrier before Q's release that orders the lanes' reads of the slot."""
+    ticket), the NEXT_TILE hand-off between the producer warp and the consumers, and
+    the TILE_SLOT_FREE barriers back."""
     import dataclasses
 
     from cute_attn import launcher
+    from cute_attn.blocks.barriers import NamedBarrier
     from cute_attn.config import fwd_config_for
 
     features = AttnFeatures(mask=mask)
@@ -345,8 +346,9 @@ def test_persistent_forward_compiles_with_a_tile_loop(head_dim, mask, tile_queue
     assert (len(re.findall(r"atom(\.relaxed)?(\.gpu)?\.global\.add", persistent)) == 1) == tile_queue
     # pass_turn's bar.arrive names its barrier by register too, with 256 threads
     assert bool(re.search(rf"bar\.arrive %r\d+, {handoff};", persistent)) == tile_queue
-    # the consumer warps synchronise before releasing Q after reading the hand-off slot
-    assert ("bar.warp.sync" in persistent) == tile_queue
+    # the slots' TILE_SLOT_FREE barriers: the consumers arrive, the producer waits
+    free_0 = int(NamedBarrier.TILE_SLOT_FREE_0)
+    assert bool(re.search(rf"bar\.sync\s+{free_0}, {handoff};", persistent)) == tile_queue
     if mask == "none":
         single = launcher.compile_fwd(launcher.FwdKey("bf16", head_dim, features, base), "--keep-ptx").__ptx__
         assert "%nctaid.x" not in single

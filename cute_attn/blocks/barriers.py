@@ -24,3 +24,7 @@ class NamedBarrier(enum.IntEnum):
     # be one tile ahead of the consumers)
     NEXT_TILE_0 = 9
     NEXT_TILE_1 = 10
+    # ... and every consumer thread has read slot <parity>, which the producer may then
+    # overwrite (the consumers arrive, the producer waits)
+    TILE_SLOT_FREE_0 = 11
+    TILE_SLOT_FREE_1 = 12

@@ -98,7 +98,6 @@ from cute_attn.blocks.tma_pipeline import (
     make_tma_pipeline,
     make_tma_tensor,
     prefetch_descriptors,
-    release_after_loads,
     tma_partition,
 )
 from cute_attn.blocks.views import bshd_as_sdhb, pack_heads_into_rows, rowwise_as_rhb
@@ -432,15 +431,20 @@ class FlashFwdSm90:
 
         With the tile queue the producer warp takes the next tile's ticket once it has
         issued a tile's loads, writes it to next_tile[parity] and arrives on
-        NEXT_TILE_<parity>; the consumers, done with the tile, wait there and read it. The
-        producer cannot reach the same parity's slot again before every consumer warp
-        has read it: that needs the Q stage of the tile in between, which the consumers
-        release only after they read the slot (each warp synchronised first, so every
-        lane's read precedes its warp's arrive)."""
+        NEXT_TILE_<parity>; the consumers, done with the tile, wait there, read it and
+        arrive on TILE_SLOT_FREE_<parity>, where the producer waits before it writes that
+        slot again (from its third ticket on; after its last ticket it waits once per slot
+        it wrote, so every barrier phase completes). The wait never stalls in practice:
+        the producer gets two tiles ahead only through Q's stage, which the consumers
+        release after the read. It is there because the memory model (and racecheck)
+        orders the consumers' reads before the producer's next write only through a
+        barrier both sides name: through Q's mbarrier only lane 0 of each warp is ordered,
+        and racecheck reported the other lanes' reads as write-after-read hazards."""
         tiles = self.scheduler.work_tiles(g.q.tensor, None, None)
         num_tiles = tiles[0] * tiles[1] * tiles[2]
         index = self.scheduler.first_index()
         parity = Int32(0)
+        tickets = Int32(0)  # the producer's tickets so far (slot writes)
         next_tile_threads = 32 + self.num_mma_threads
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -454,13 +458,23 @@ class FlashFwdSm90:
                     if cutlass.const_expr(self.tile_queue):
                         # the dense kernels' cu_seqlens_q slot carries the counter
                         index = self.scheduler.take_ticket(g.cu_seqlens_q, num_tiles)
+                        if tickets >= 2:
+                            cute.arch.barrier(barrier_id=int(NamedBarrier.TILE_SLOT_FREE_0) + parity,
+                                              number_of_threads=next_tile_threads)
                         if cute.arch.lane_idx() == 0:
                             smem.next_tile[parity] = index
                         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.NEXT_TILE_0) + parity,
                                                  number_of_threads=next_tile_threads)
                         parity = parity ^ 1
+                        tickets = tickets + 1
                     else:
                         index = self.scheduler.next_index(index)
+                if cutlass.const_expr(self.tile_queue):
+                    # the consumers' arrives after their last reads of each slot written
+                    for slot in cutlass.range_constexpr(2):
+                        if tickets > slot:
+                            cute.arch.barrier(barrier_id=int(NamedBarrier.TILE_SLOT_FREE_0) + slot,
+                                              number_of_threads=next_tile_threads)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx = tidx - 128
@@ -480,6 +494,8 @@ class FlashFwdSm90:
                     cute.arch.barrier(barrier_id=int(NamedBarrier.NEXT_TILE_0) + parity,
                                       number_of_threads=next_tile_threads)
                     index = smem.next_tile[parity]
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TILE_SLOT_FREE_0) + parity,
+                                             number_of_threads=next_tile_threads)
                     parity = parity ^ 1
                 else:
                     index = self.scheduler.next_index(index)
@@ -757,14 +773,8 @@ class FlashFwdSm90:
                 softmax.rescale(acc_O, pending_scale)
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
         if cutlass.const_expr(self.persistent):
-            # this warpgroup's QK^T WGMMAs have completed: Q's buffer may take the next tile.
-            # With the tile queue the warp's lanes read the hand-off slot (run_persistent)
-            # with ordinary loads since the last release: a warp barrier orders them before
-            # lane 0's arrive (racecheck found the write-after-read without it)
-            if cutlass.const_expr(self.tile_queue):
-                release_after_loads(q_state, pipes.q)
-            else:
-                pipes.q.consumer_release(q_state)
+            # this warpgroup's QK^T WGMMAs have completed: Q's buffer may take the next tile
+            pipes.q.consumer_release(q_state)
             q_state.advance()
 
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
