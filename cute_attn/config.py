@@ -505,6 +505,17 @@ class BwdConfig(_WarpSpecialized):
     # 256: room for a second Q/dO stage) and the DQ_FULL / DQ_EMPTY hand-off. Atomics land
     # in no fixed order, so the deterministic backward never takes it (bwd_config_for).
     dq_atomic: bool = False
+    # sdS buffers (1 or 2, the second indexed like Q's ring: num_stages 2). With one, a
+    # step waits at DQ_EMPTY before writing dS^T (the previous step's dQ WGMMAs may still
+    # read it); with two, the buffer a step writes was last read two steps back, which
+    # the DS_READY barrier of the step between already ordered, so the step meets the
+    # dQ writer only before its sdQ stores (FlashAttention-4's Hopper choice; +16 KB at
+    # head dim 128, +32 KB at 64). Not measured yet: perf/NOTES.md, session 18.
+    ds_stages: int = 1
+    # Issue dK after dQ and wait for dQ alone, so dQ's sdQ stores run under dK's WGMMA
+    # (FlashAttention-4's order). With one sdS buffer it measured 7-13% slower at head
+    # dim 64 (the tensor cores idle across the DQ_EMPTY wait); so only with ds_stages 2.
+    dk_after_dq: bool = False
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -520,6 +531,14 @@ class BwdConfig(_WarpSpecialized):
         if self.split_d and (self.tile_n != 64 or self.dq_warpgroups != 2):
             raise ValueError("split_d takes tile_n 64 and both warpgroups on dQ, got "
                              f"tile_n {self.tile_n}, dq_warpgroups {self.dq_warpgroups}")
+        if self.ds_stages not in (1, 2):
+            raise ValueError(f"ds_stages must be 1 or 2, got {self.ds_stages}")
+        if self.ds_stages == 2 and (self.num_stages != 2 or self.split_d or self.dq_atomic
+                                    or self.dq_warpgroups != self.num_mma_warpgroups):
+            raise ValueError("ds_stages 2 takes num_stages 2, the sdQ tile (no dq_atomic, no split_d) "
+                             "and every warpgroup on dQ")
+        if self.dk_after_dq and self.ds_stages != 2:
+            raise ValueError("dk_after_dq takes ds_stages 2")
 
 
 def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:

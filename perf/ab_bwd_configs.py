@@ -12,6 +12,8 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     sdq      split_d with the sdQ tile and the dQ writer (192/256)
     atomic   the default config with dq_atomic (dQ by vector atomics)
     atomic3  the same with three stages (head dims <= 128)
+    ds2      the default with two sdS buffers (BwdConfig.ds_stages; head dims <= 128)
+    ds2k     the same with dK issued after dQ (BwdConfig.dk_after_dq)
 """
 import contextlib
 import dataclasses
@@ -28,6 +30,9 @@ VARIANTS = {  # (head dim, features) -> a forced config, or None where it does n
     "atomic": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True),
     "atomic3": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, num_stages=3)
                              if d <= 128 else None),
+    "ds2": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2) if d <= 128 else None,
+    "ds2k": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2, dk_after_dq=True)
+                          if d <= 128 else None),
 }
 
 

@@ -593,3 +593,36 @@ def test_head_dim_64_backward_splits_dq_by_queries(mask):
     assert shapes == {"64", "128"}, shapes
     if main.cubin is not None:
         assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
+
+
+def test_backward_ds_stages_config_is_checked():
+    """BwdConfig.ds_stages / dk_after_dq: two sdS buffers ride Q's two-stage ring and the
+    sdQ tile of every dQ warpgroup; dK after dQ only with them."""
+    from cute_attn.config import BwdConfig
+
+    base = dict(tile_m=64, tile_n=128, num_stages=2)
+    assert BwdConfig(**base, ds_stages=2, dk_after_dq=True).ds_stages == 2
+    for bad in (dict(ds_stages=3), dict(ds_stages=2, num_stages=3), dict(ds_stages=2, dq_atomic=True),
+                dict(ds_stages=2, dq_warpgroups=1), dict(dk_after_dq=True)):
+        with pytest.raises(ValueError, match="ds_stages"):
+            BwdConfig(**{**base, **bad})
+
+
+@pytest.mark.parametrize("head_dim, mask", [(64, "none"), (128, "causal")])
+def test_backward_with_two_sds_buffers_compiles_without_spills(head_dim, mask):
+    """BwdConfig.ds_stages 2 (with dK after dQ): spill-free, and one DQ_EMPTY barrier per
+    step as with one buffer (it moved from before the dS^T store to before the sdQ
+    stores), so the dQ writer's protocol is unchanged."""
+    import dataclasses
+
+    from cute_attn.blocks.barriers import NamedBarrier
+
+    features = AttnFeatures(mask=mask)
+    base = bwd_config_for(head_dim, features)
+    two = dataclasses.replace(base, ds_stages=2, dk_after_dq=True)
+    arts = {c: ptx_tool.compile_bwd_artifacts("bf16", head_dim, features, c)["main"] for c in (base, two)}
+    dq_empty = int(NamedBarrier.DQ_EMPTY)
+    counts = {c: len(re.findall(rf"bar\.sync\s+{dq_empty}, ", a.ptx)) for c, a in arts.items()}
+    assert counts[two] == counts[base] > 0, counts
+    if arts[two].cubin is not None:
+        assert " 0 bytes spill stores" in arts[two].ptxas_report, arts[two].ptxas_report

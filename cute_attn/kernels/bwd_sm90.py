@@ -32,6 +32,10 @@ Barrier protocol per query block (named barriers, see blocks/barriers.py):
              (all rows of dS are in smem) -> dQ WGMMA -> write dQ to sdQ -> arrive DQ_FULL
   writer:    wait DQ_FULL -> bulk reduce-add sdQ into dQ_accum -> wait until read -> arrive
              DQ_EMPTY
+  With two sdS buffers (BwdConfig.ds_stages, indexed by Q's stage) the consumers write
+  dS^T without the DQ_EMPTY wait (the buffer's last reader, the dQ two steps back, has
+  completed in every warpgroup before the DS_READY in between) and wait there just before
+  the sdQ stores; with dk_after_dq those stores run under the dK WGMMA.
 dQ_accum is laid out per query tile in the order of the dQ WGMMA's accumulator fragments
 (blocks/dq_accum.py), so each thread's stores to sdQ are conflict-free and the reduce is
 one contiguous chunk; the postprocess undoes the permutation.
@@ -217,6 +221,8 @@ class FlashBwdSm90:
         if self.dq_atomic and deterministic:
             raise ValueError("the deterministic backward orders its dQ reduce-adds: dq_atomic cannot serve it")
         self.split_d = config.split_d  # see BwdConfig.split_d
+        self.ds_stages = config.ds_stages  # see BwdConfig.ds_stages
+        self.dk_after_dq = config.dk_after_dq
         # one CTA per (KV block, KV head, batch). n_block 0 sees the most
         # query blocks under a causal mask, and grid order already launches it first.
         self.scheduler = TileScheduler(self.tile_n, features.varlen)
@@ -274,7 +280,8 @@ class FlashBwdSm90:
             sQ=mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages, atom_cols=half_atoms),
             sK=mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, atom_cols=half_atoms),
             # dS^T stored keys x queries with queries contiguous: read back MN-major as dS's A
-            sdS=mma_sm90.make_smem_layout(self.p_dtype, self.tile_n, self.tile_m),
+            sdS=mma_sm90.make_smem_layout(self.p_dtype, self.tile_n, self.tile_m,
+                                          self.ds_stages if self.ds_stages > 1 else None),
             # dK / dV leave through sK / sV, seen as tile_n x head_dim tiles
             sdKV=mma_sm90.make_smem_layout(self.out_dtype, self.tile_n, d, atom_cols=half_atoms),
             # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 keys x tile_m queries (split_d:
@@ -549,7 +556,7 @@ class FlashBwdSm90:
             # B operands of dV, dK and dQ: dO^T, Q^T and K^T
             tdVrdO=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.do))),
             tdKrQ=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.q))),
-            tdQrdS=wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(smem.ds))),
+            tdQrdS=wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(smem.ds))),  # (.., stage)
             tdQrK=wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(mma_sm90.transpose_view(smem.k))),
             acc_dV=cute.make_rmem_tensor(dkv_shape, Float32),
             acc_dK=cute.make_rmem_tensor(dkv_shape, Float32),
@@ -727,21 +734,36 @@ class FlashBwdSm90:
             mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, ops.tdVrP, ops.tdVrdO[None, None, None, stage], wait_groups=-1)
         else:
             mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, mma_sm90.acc_as_operand_a(rP), ops.tdVrdO[None, None, None, stage], wait_groups=-1)
-            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
+            if cutlass.const_expr(not self.dk_after_dq):
+                mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
 
             # dS^T to shared memory for dQ = dS K, which needs every warpgroup's keys
-            self.wait_ds_free(barrier_threads)
-            epilogue.regs_to_smem(rdS, smem.ds, tiled_mma_sdp, tidx)
+            sdS = smem.ds
+            if cutlass.const_expr(self.ds_stages > 1):
+                sdS = smem.ds[None, None, stage]  # free: read by the dQ of two steps back
+            else:
+                self.wait_ds_free(barrier_threads)
+            epilogue.regs_to_smem(rdS, sdS, tiled_mma_sdp, tidx)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
 
         if wg_idx < self.dq_wgs:
             acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+            tdQrdS = ops.tdQrdS
+            if cutlass.const_expr(self.ds_stages > 1):
+                tdQrdS = ops.tdQrdS[None, None, None, stage]
             if cutlass.const_expr(self.split_d):
-                mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
+                mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
                 mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, ops.tdKrdS, ops.tdKrQ[None, None, None, stage], wait_groups=1)
+            elif cutlass.const_expr(self.dk_after_dq):
+                # dQ's stores below run under dK's WGMMA (BwdConfig.dk_after_dq)
+                mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
+                mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS),
+                              ops.tdKrQ[None, None, None, stage], wait_groups=1)
             else:
-                mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
+                mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
+            if cutlass.const_expr(self.ds_stages > 1):
+                self.wait_ds_free(barrier_threads)  # only sdQ to wait for now
             if cutlass.const_expr(self.dq_atomic):
                 chunks, chunk0 = dq_dest
                 dq_accum.add_from_registers(acc_dQ, chunks[None, chunk0 + m_block], tidx,
@@ -750,9 +772,10 @@ class FlashBwdSm90:
                 for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                     smem.dq[dq_accum.offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
                 cute.arch.fence_view_async_shared()
-            if cutlass.const_expr(self.split_d):
-                # dK's WGMMA reads this stage's Q and sdS: done before the stage is released
-                # below and before sdS is rewritten (the local compile caught its absence)
+            if cutlass.const_expr(self.split_d or self.dk_after_dq):
+                # dK's WGMMA reads this stage's Q (split_d: and sdS): done before the stage
+                # is released below and before sdS is rewritten (the local compile caught
+                # its absence)
                 warpgroup.wait_group(0)
         else:
             warpgroup.wait_group(0)
@@ -767,7 +790,8 @@ class FlashBwdSm90:
         """Before sdS (and sP) are rewritten: every warpgroup's WGMMAs of the previous step
         that read them have completed (each consumer waits on its own before arriving).
         The dQ writer's DQ_EMPTY also says sdQ is free again; with dQ atomics there is no
-        sdQ and no writer, so the consumers meet among themselves."""
+        sdQ and no writer, so the consumers meet among themselves. With two sdS buffers
+        (BwdConfig.ds_stages) it is called before the sdQ stores instead."""
         if cutlass.const_expr(self.dq_atomic):
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_FREE), number_of_threads=self.num_mma_threads)
         else:
