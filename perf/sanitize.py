@@ -127,6 +127,12 @@ CASES = (
     # mods in a packed batch: per-sequence block-mask lists, global indices (an empty sequence)
     Case("varlen-mods-document-gqa", nheads=4, nheads_kv=2, lengths=((40, 40), (0, 0), (150, 150), (277, 277)),
          extra={"mods": "packed_document"}),
+    # bad offsets that bypassed the host's check (see run_case): out of order, past the
+    # tensor, negative; forward and backward, FP8 (its V^T transpose reads by offset) too
+    Case("varlen-bad-offsets", nheads=4, nheads_kv=2, causal=True, lengths=((40, 40), (150, 200), (277, 129)),
+         extra={"bad_offsets": True}),
+    Case("varlen-bad-offsets-fp8", dtype="fp8", nheads=4, nheads_kv=2, backward=False,
+         lengths=((40, 40), (150, 200), (277, 129)), extra={"bad_offsets": True}),
     # the head-dim-split backward of 192/256 (P^T / dS^T through shared memory): the sdQ
     # tile at 192, dQ by atomics at 256 (hd256-causal above), and the deterministic one's
     # sdQ tile with its ordered reduce-adds at 256
@@ -273,6 +279,13 @@ def run_case(case):
 
         def attend(q, k, v, **kw):
             return cute_attn.mha_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        if case.extra.get("bad_offsets"):
+            # offsets rewritten behind torch's version counter after a checked call: the
+            # host's once-per-version check does not see them, the kernels' clamp
+            # (blocks/seqlen.packed_span) must keep every access inside the tensors
+            attend(*tensors, **kwargs)
+            cu_q.data[1] = total_q + 4096
+            cu_k.data[1] = -7
     if case.extra.get("mods"):
         # build (and cache) the block mask first: its temporaries would otherwise take the
         # poisoned blocks meant for out, and initcheck then flags out's TMA-stored rows
@@ -282,7 +295,7 @@ def run_case(case):
     if case.backward:
         tensors = tuple(t.requires_grad_() for t in tensors)
     out = attend(*tensors, **kwargs)
-    if out.isnan().any():
+    if out.isnan().any() and not case.extra.get("bad_offsets"):  # bad offsets: rows no one owns
         raise AssertionError(f"{case.name}: out has elements the forward never wrote")
     if case.backward:
         torch.autograd.grad(out, tensors, torch.randn_like(out))

@@ -13,6 +13,11 @@ at the end of the whole tensor). That is harmless for loads, whose extra rows th
 and the +inf LSE padding neutralise, but a store must stop at the sequence's end: the
 kernels store packed tiles row by row (blocks/epilogue.py).
 
+The offsets are clamped to the packed tensor's rows (packed_span): the host checks them
+once per tensor version (api.mha_varlen), but offsets rewritten behind torch's version
+counter (`.data`, DLPack aliases, another kernel, a graph replay) reach the kernels
+unchecked, and a bad one must cost a wrong sequence, never a row outside the tensor.
+
 The backward's per-row statistics and dQ accumulator are padded per sequence to whole
 query tiles: sequence b starts at row (cu_seqlens_q[b] + b * tile_m) // tile_m * tile_m,
 which leaves room for every sequence's last partial tile without overlap (the buffer holds
@@ -24,6 +29,16 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from cute_attn.blocks.staged import Staged
+
+
+@cute.jit
+def packed_span(mCuSeqlens: cute.Tensor, batch, total_rows):
+    """(offset, length) of sequence `batch` in a packed tensor of total_rows rows, from its
+    cu_seqlens, clamped into the tensor: identical for valid offsets (0 <= cu[b] <=
+    cu[b+1] <= total), a shorter or empty sequence for bad ones."""
+    start = cutlass.min(cutlass.max(mCuSeqlens[batch], Int32(0)), total_rows)
+    end = cutlass.min(cutlass.max(mCuSeqlens[batch + 1], start), total_rows)
+    return start, end - start
 
 
 class SeqlenInfo(Staged):
@@ -40,10 +55,9 @@ class SeqlenInfo(Staged):
     ):
         self.varlen = varlen
         if cutlass.const_expr(varlen):
-            self.offset_q = mCuSeqlensQ[batch]
-            self.offset_k = mCuSeqlensK[batch]
-            self.seqlen_q = mCuSeqlensQ[batch + 1] - self.offset_q
-            self.seqlen_k = mCuSeqlensK[batch + 1] - self.offset_k
+            # the dense lengths are the packed tensors' total rows here
+            self.offset_q, self.seqlen_q = packed_span(mCuSeqlensQ, batch, seqlen_q_dense)
+            self.offset_k, self.seqlen_k = packed_span(mCuSeqlensK, batch, seqlen_k_dense)
             # the tensors' batch mode has size 1
             self.batch = Int32(0)
             self.padded_m_block_offset = Int32(0)

@@ -29,6 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from cute_attn.blocks.seqlen import packed_span
 from cute_attn.blocks.tile_scheduler import TileScheduler
 
 KEYS = 64  # keys per CTA: one 16-key column chunk per warp
@@ -71,8 +72,8 @@ class TransposeV:
         seqlen, padded = mV.shape[1], mVt.shape[3]
         src_batch, offset = b, Int32(0)
         if cutlass.const_expr(self.varlen):
-            src_batch, offset = Int32(0), mCuSeqlensK[b]
-            seqlen = mCuSeqlensK[b + 1] - offset
+            src_batch = Int32(0)
+            offset, seqlen = packed_span(mCuSeqlensK, b, seqlen)
         first = block * KEYS
         per_key = self.head_dim // CHUNK
         # rows in: consecutive threads read consecutive 16-byte chunks of a key's row
