@@ -424,11 +424,12 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
             GPU's queued work), once per tensor and version: a model that passes the same
             offsets to every layer pays for the first call only. Skipped while a CUDA
             graph is being captured. True: the same, an error under capture; False:
-            never. Offsets that break these rules can leave rows of out unwritten, mix
-            sequences, or make the kernels read and write past q, k, v, out and lse.
-            The once-per-version check does not see writes that bypass torch's version
-            counter (.data, numpy or DLPack aliases, other kernels, a CUDA graph's
-            replays into a static buffer): after such writes pass check_cu_seqlens=True.
+            never. Offsets that break these rules can leave rows of out unwritten or mix
+            sequences; the kernels clamp each sequence's span into the packed tensors,
+            so no access leaves q, k, v, out or lse. The once-per-version check does not
+            see writes that bypass torch's version counter (.data, numpy or DLPack
+            aliases, other kernels, a CUDA graph's replays into a static buffer): after
+            such writes pass check_cu_seqlens=True for a clear error.
         learnable_sink, dropout_p, dropout_seed: as in `mha`, forward and backward; the
             dropout mask of sequence b is the one `mha` draws for batch entry b with the
             same seed (dropout_mask(seed, b, ...), positions counted within the sequence).
