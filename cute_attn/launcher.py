@@ -599,7 +599,7 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
                                 varlen=args if features.varlen else None)
     if sink is None:
         sink = _placeholder(q.device, (1,)).view(torch.float32)
-    if config.tile_queue:
+    if uses_tile_queue(config, _work_tiles(q, features, args, config)):
         cu_q = _tile_queue(q.device)
     fn(q4, k4, v4, out4, lse3, cu_q, cu_k, *lists, aux, sink, *_dropout_arguments(q.device, args),
        args.max_seqlen_q, args.softmax_scale, args.softcap, args.window[0], args.window[1])
@@ -682,7 +682,14 @@ def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[Fwd
         return _Plan(_split_kernel(q, features, config), num_splits, _work_tiles(q, features, args, config))
     if fn is None:
         fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
-    return _Plan(fn, 1, 0, config.tile_queue)
+    return _Plan(fn, 1, 0, uses_tile_queue(config, _work_tiles(q, features, args, config)))
+
+
+def uses_tile_queue(config: FwdConfig, tiles: int) -> bool:
+    """Whether a launch of config over `tiles` work tiles reads its tile-queue counter:
+    not when the persistent grid has a CTA per tile (TileScheduler.take_ticket), so a
+    small call skips the per-stream counter's lookup and passes the placeholder."""
+    return config.tile_queue and tiles > config.persistent_ctas
 
 
 def _outputs(q, features: AttnFeatures, need_lse: bool):

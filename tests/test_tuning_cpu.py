@@ -191,6 +191,21 @@ def test_persistent_grid_only_where_it_measured_faster(monkeypatch):
         dataclasses.replace(fwd_config_for(128, AttnFeatures()), tile_queue=True)
 
 
+def test_a_grid_with_a_cta_per_tile_reads_no_tile_queue():
+    """launcher.uses_tile_queue: the queue's counter (a per-stream lookup per call) only
+    where the persistent grid has fewer CTAs than tiles; the kernel's take_ticket skips
+    the counter otherwise (the tiny causal call of the host-time measurement: 16 tiles)."""
+    from cute_attn import launcher
+
+    causal = AttnFeatures(mask="causal")
+    queue = dataclasses.replace(fwd_config_for(128, causal), persistent_ctas=132, tile_queue=True)
+    assert not launcher.uses_tile_queue(queue, 16) and not launcher.uses_tile_queue(queue, 132)
+    assert launcher.uses_tile_queue(queue, 133)
+    round_robin = dataclasses.replace(queue, tile_queue=False)
+    assert not launcher.uses_tile_queue(round_robin, 1000)
+    assert not launcher.uses_tile_queue(fwd_config_for(128, causal), 1000)
+
+
 def test_cli_lists_candidates_without_a_gpu(capsys):
     from cute_attn.__main__ import main
 

@@ -128,12 +128,16 @@ class TileScheduler:
         counter (int32, zero at launch). Lane 0 takes a ticket and the warp shares it.
         Every CTA takes one ticket per tile it runs, the last one past the end, so the
         tickets of a launch are 0 .. num_tiles - 1 and the holder of the last one is the
-        last to touch the counter: it sets it back to zero for the next launch."""
-        ticket = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            ticket = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
-            if ticket == num_tiles - 1:
-                counter[0] = Int32(0)
-        ticket = cute.arch.shuffle_sync(ticket, 0)
+        last to touch the counter: it sets it back to zero for the next launch.
+        A grid with a CTA per tile (num_tiles <= the grid, grid() then has num_tiles
+        CTAs) has no next tile and touches no counter: the host passes none there
+        (launcher.uses_tile_queue), which saves a small call its per-stream lookup."""
         grid_x, _, _ = cute.arch.grid_dim()
+        ticket = Int32(0)
+        if num_tiles > Int32(grid_x):
+            if cute.arch.lane_idx() == 0:
+                ticket = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+                if ticket == num_tiles - 1:
+                    counter[0] = Int32(0)
+            ticket = cute.arch.shuffle_sync(ticket, 0)
         return ticket + Int32(grid_x)
