@@ -426,7 +426,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
             graph is being captured. True: the same, an error under capture; False:
             never. Offsets that break these rules can leave rows of out unwritten or mix
             sequences; the kernels clamp each sequence's span into the packed tensors,
-            so no access leaves q, k, v, out or lse. The once-per-version check does not
+            so no access leaves q, k, v, out, lse, the backward's buffers or the mods'
+            aux tensors (perf/sanitize.py's varlen-bad-offsets cases). The once-per-version check does not
             see writes that bypass torch's version counter (.data, numpy or DLPack
             aliases, other kernels, a CUDA graph's replays into a static buffer): after
             such writes pass check_cu_seqlens=True for a clear error.

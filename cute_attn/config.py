@@ -516,6 +516,11 @@ class BwdConfig(_WarpSpecialized):
     # (FlashAttention-4's order). With one sdS buffer it measured 7-13% slower at head
     # dim 64 (the tensor cores idle across the DQ_EMPTY wait); so only with ds_stages 2.
     dk_after_dq: bool = False
+    # Load each step's LSE2 and D columns into registers right after issuing S^T and dP^T
+    # (FlashAttention-4's order) instead of from shared memory at each use after the
+    # WGMMA waits: 2 x tile_m / 4 more live registers, which spill at head dim 64's
+    # 128-row tiles (ptxas: 272-292 bytes), not at 96-256. Not measured yet (session 18).
+    stats_in_registers: bool = False
 
     @property
     def num_mma_warpgroups(self) -> int:

@@ -1214,7 +1214,8 @@ def _padded_rows(cu_seqlens_q: torch.Tensor, total_q: int, tile_m: int) -> torch
     # sequence of each token, within [0, batch - 1] even for offsets that end short of
     # total_q (unchecked cu_seqlens): an index past the last would fault on the device
     seq = torch.searchsorted(cu_seqlens_q[1:-1], token, right=True)
-    start = cu_seqlens_q[:-1].long()
+    # clamped as the kernels clamp each sequence's start (blocks/seqlen.packed_span)
+    start = cu_seqlens_q[:-1].long().clamp(0, total_q)
     batch = torch.arange(start.shape[0], device=start.device)
     padded_start = (start + batch * tile_m) // tile_m * tile_m
     return token.long() + (padded_start - start)[seq]

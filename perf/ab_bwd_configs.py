@@ -14,6 +14,7 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     atomic3  the same with three stages (head dims <= 128)
     ds2      the default with two sdS buffers (BwdConfig.ds_stages; head dims <= 128)
     ds2k     the same with dK issued after dQ (BwdConfig.dk_after_dq)
+    sreg     the default with LSE2 and D in registers (BwdConfig.stats_in_registers; head dims > 64)
 """
 import contextlib
 import dataclasses
@@ -33,6 +34,8 @@ VARIANTS = {  # (head dim, features) -> a forced config, or None where it does n
     "ds2": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2) if d <= 128 else None,
     "ds2k": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2, dk_after_dq=True)
                           if d <= 128 else None),
+    "sreg": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), stats_in_registers=True)
+                          if d > 64 else None),  # hd 64 (128-row tiles) spills 272-292 bytes
 }
 
 

@@ -133,6 +133,10 @@ CASES = (
          extra={"bad_offsets": True}),
     Case("varlen-bad-offsets-fp8", dtype="fp8", nheads=4, nheads_kv=2, backward=False,
          lengths=((40, 40), (150, 200), (277, 129)), extra={"bad_offsets": True}),
+    # ... with a mask mod, whose block-mask lists (cached per tensor version) outlive the
+    # offsets, and deterministic: the clamped spans overlap, two KV blocks meet one dQ turn
+    Case("varlen-bad-offsets-mods-deterministic", nheads=4, nheads_kv=2, deterministic=True,
+         lengths=((40, 40), (150, 150), (277, 277)), extra={"bad_offsets": True, "mods": "packed_document"}),
     # the head-dim-split backward of 192/256 (P^T / dS^T through shared memory): the sdQ
     # tile at 192, dQ by atomics at 256 (hd256-causal above), and the deterministic one's
     # sdQ tile with its ordered reduce-adds at 256

@@ -302,6 +302,26 @@ def test_deterministic_mod_backward_compiles():
     assert "FlashBwdSm90Mods" in ptx and "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu" in ptx
 
 
+@pytest.mark.parametrize("head_dim, deterministic", [(128, True), (256, False)], ids=["deterministic", "dq_atomic"])
+def test_varlen_mod_backward_guards_dq_by_the_sequence(head_dim, deterministic):
+    """A packed batch's mask-mod backward walks block-mask lists that may outlive the
+    offsets (rewritten behind torch's version counter): its dQ adds (the writer's bulk
+    reduce and turn counter, or head dim 256's atomics) are guarded by the clamped
+    sequence (FlashBwdSm90.in_sequence). It compiles; the turn wait spins on `<`, so a
+    collision of turns cannot hang."""
+    from cute_attn.config import AttnFeatures, bwd_config_for
+    from cute_attn.launcher import BwdKey, compile_bwd
+
+    features = AttnFeatures(mask_mod=masks.document(torch.zeros(8, dtype=torch.int32)).spec, varlen=True)
+    config = bwd_config_for(head_dim, features, deterministic)
+    assert config.dq_atomic == (not deterministic)
+    _, main, _ = compile_bwd(BwdKey("bf16", head_dim, features, config, deterministic), "--keep-ptx")
+    ptx = main.__ptx__
+    assert "FlashBwdSm90Mods" in ptx
+    if deterministic:
+        assert "setp.lt.s32 p, v," in ptx and "red.release.gpu" in ptx
+
+
 def test_mod_backward_kernels_compile():
     """The backward with mods compiles on the CPU (sm_90a): a mask mod walking the
     transposed block mask, and a score mod differentiated through masks.Dual."""

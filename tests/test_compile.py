@@ -626,3 +626,17 @@ def test_backward_with_two_sds_buffers_compiles_without_spills(head_dim, mask):
     assert counts[two] == counts[base] > 0, counts
     if arts[two].cubin is not None:
         assert " 0 bytes spill stores" in arts[two].ptxas_report, arts[two].ptxas_report
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_backward_with_statistics_in_registers_compiles_without_spills(mask):
+    """BwdConfig.stats_in_registers at head dim 128 (64-row tiles): LSE2 and D loaded
+    into registers after the S^T / dP^T issues, still spill-free; the same number of
+    shared-memory loads of the statistics as before, only earlier."""
+    import dataclasses
+
+    features = AttnFeatures(mask=mask)
+    config = dataclasses.replace(bwd_config_for(128, features), stats_in_registers=True)
+    main = ptx_tool.compile_bwd_artifacts("bf16", 128, features, config)["main"]
+    if main.cubin is not None:
+        assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report

@@ -42,14 +42,13 @@ class ModTile(Staged):
         return SeqInfo(aux, s.seqlen_q, s.seqlen_k, s.offset_q, s.offset_k)
 
     def _indices(self, coords, r, c, m_block, n_block, keys_on_rows):
-        """(q_idx, kv_idx) of element (r, c): global, clamped into the sequence."""
+        """(q_idx, kv_idx) of element (r, c): global, clamped into the sequence
+        (SeqlenInfo.global_q / global_k)."""
         row, col = coords[r, c][0], coords[r, c][1]
         if cutlass.const_expr(keys_on_rows):
             row, col = col, row
         s = self.seqlen
-        q = cutlass.min(m_block * self.tile_m + row, s.seqlen_q - 1) + s.offset_q
-        kv = cutlass.min(n_block * self.tile_n + col, s.seqlen_k - 1) + s.offset_k
-        return q, kv
+        return s.global_q(m_block * self.tile_m + row), s.global_k(n_block * self.tile_n + col)
 
     @cute.jit
     def apply_score(self, acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32,

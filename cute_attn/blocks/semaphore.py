@@ -1,8 +1,11 @@
 """A global-memory turn counter that orders work across CTAs (the backward's deterministic
 dQ accumulation: the CTAs that add into one dQ tile take turns in a fixed order).
 
-    wait_turn(ptr, turn)   spin until *ptr == turn (acquire), then order the caller's later
-                           async-proxy (TMA/bulk) operations after it
+    wait_turn(ptr, turn)   spin until *ptr >= turn (acquire), then order the caller's later
+                           async-proxy (TMA/bulk) operations after it. With valid turns the
+                           counter never passes a waiter's turn, so >= is ==; turns that
+                           collide (two CTAs given one, from corrupted varlen offsets whose
+                           clamped spans overlap) then cost a wrong order, not a hang.
     pass_turn(ptr)         after the caller's bulk operations have completed: make them
                            visible, then *ptr += 1 (release)
 
@@ -26,7 +29,7 @@ def wait_turn(ptr: cute.Pointer, turn: Int32, *, loc=None, ip=None):
         ".reg .b32 v;\n"
         "SPIN:\n"
         "ld.acquire.gpu.global.b32 v, [$0];\n"
-        "setp.ne.s32 p, v, $1;\n"
+        "setp.lt.s32 p, v, $1;\n"
         "@p bra.uni SPIN;\n"
         "fence.proxy.async.global;\n"
         "}",

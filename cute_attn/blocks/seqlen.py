@@ -54,6 +54,8 @@ class SeqlenInfo(Staged):
         kv_lengths: bool = False,
     ):
         self.varlen = varlen
+        # the tensors' rows (varlen: all sequences'), the bound of every global index
+        self.total_q, self.total_k = seqlen_q_dense, seqlen_k_dense
         if cutlass.const_expr(varlen):
             # the dense lengths are the packed tensors' total rows here
             self.offset_q, self.seqlen_q = packed_span(mCuSeqlensQ, batch, seqlen_q_dense)
@@ -73,6 +75,19 @@ class SeqlenInfo(Staged):
                 self.seqlen_k = cutlass.min(mCuSeqlensK[batch], seqlen_k_dense)
             self.batch = batch
             self.padded_m_block_offset = Int32(0)
+
+    def global_q(self, i):
+        """Row i of this sequence as a row of the (packed) tensor, clamped into the
+        sequence, and into the tensor for an empty one: what index-taking code (the
+        mods) may read at, whatever the tile's rows past the sequence."""
+        return self._global(i, self.seqlen_q, self.offset_q, self.total_q)
+
+    def global_k(self, j):
+        """As global_q for the keys."""
+        return self._global(j, self.seqlen_k, self.offset_k, self.total_k)
+
+    def _global(self, i, length, offset, total):
+        return cutlass.max(cutlass.min(cutlass.min(i, length - 1) + offset, total - 1), Int32(0))
 
     def rows_q(self, mX: cute.Tensor, head, batch=None):
         """(seqlen, head_dim, heads, batch) tensor -> this sequence's (seqlen_q, head_dim)

@@ -223,6 +223,7 @@ class FlashBwdSm90:
         self.split_d = config.split_d  # see BwdConfig.split_d
         self.ds_stages = config.ds_stages  # see BwdConfig.ds_stages
         self.dk_after_dq = config.dk_after_dq
+        self.stats_in_registers = config.stats_in_registers
         # one CTA per (KV block, KV head, batch). n_block 0 sees the most
         # query blocks under a causal mask, and grid order already launches it first.
         self.scheduler = TileScheduler(self.tile_n, features.varlen)
@@ -505,26 +506,27 @@ class FlashBwdSm90:
                 tile_idx = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block)
                 gdQaccum = cute.local_tile(g.dq_accum[None, head, seqlen.batch], (chunk,), (None,))
                 if lane == 0:
-                    if cutlass.const_expr(self.deterministic):
-                        # KV blocks add into a dQ tile in increasing n_block order; the ones
-                        # that visit a query block are a contiguous range from the forward's
-                        # n_block_min (0 unless a sliding window bounds the left side), or
-                        # with a mask mod the ones its block mask lists (their count below
-                        # n_block: the transposed mask's dq_turn)
-                        turn_ptr = g.dq_semaphore[None, head, seqlen.batch].iterator + tile_idx
-                        if cutlass.const_expr(blocks is not None):
-                            turn = g.sparse[4][tile.batch, head, n_block, m_block]
+                    if self.in_sequence(m_block, seqlen):
+                        if cutlass.const_expr(self.deterministic):
+                            # KV blocks add into a dQ tile in increasing n_block order; the ones
+                            # that visit a query block are a contiguous range from the forward's
+                            # n_block_min (0 unless a sliding window bounds the left side), or
+                            # with a mask mod the ones its block mask lists (their count below
+                            # n_block: the transposed mask's dq_turn)
+                            turn_ptr = g.dq_semaphore[None, head, seqlen.batch].iterator + tile_idx
+                            if cutlass.const_expr(blocks is not None):
+                                turn = g.sparse[4][tile.batch, head, n_block, m_block]
+                            else:
+                                first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
+                                turn = n_block - first_n_block
+                            semaphore.wait_turn(turn_ptr, turn)
+                        bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                        if cutlass.const_expr(self.deterministic):
+                            cute.arch.cp_async_bulk_wait_group(0, read=False)
+                            semaphore.pass_turn(turn_ptr)
                         else:
-                            first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
-                            turn = n_block - first_n_block
-                        semaphore.wait_turn(turn_ptr, turn)
-                    bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
-                    cute.arch.cp_async_bulk_commit_group()
-                    if cutlass.const_expr(self.deterministic):
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        semaphore.pass_turn(turn_ptr)
-                    else:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
                 done += 1
                 if done < total:
                     cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
@@ -587,7 +589,7 @@ class FlashBwdSm90:
                 # this head's dQ_accum chunks, and the first of this sequence's query blocks
                 chunks = cute.local_tile(g.dq_accum[None, head_kv * group + i, seqlen.batch],
                                          (self.tile_m * self.head_dim,), (None,))
-                dq_dest = (chunks, dq_accum.chunk_index(seqlen.padded_m_block_offset, 0))
+                dq_dest = (chunks, dq_accum.chunk_index(seqlen.padded_m_block_offset, 0), seqlen)
             dropout = None
             if cutlass.const_expr(self.features.dropout):
                 # the sequence's index, as the forward's tile.batch (seqlen.batch is 0 for varlen)
@@ -649,7 +651,7 @@ class FlashBwdSm90:
         """One query block: the five GEMMs for this CTA's keys. mask: an AttentionMask, or
         with a mask mod the ModTile (mods), which also applies a score mod. dropout: a
         blocks/dropout.Dropout or None. dq_dest: with dq_atomic, (this head's dQ_accum
-        chunks, the chunk of query block 0), else None."""
+        chunks, the chunk of query block 0, the SeqlenInfo), else None."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = layouts.mma_sdp, layouts.mma_dkv, layouts.mma_dq
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg_idx)
@@ -659,20 +661,25 @@ class FlashBwdSm90:
         stage = state.index
         acc_shape = wg_mma_sdp.partition_shape_C((self.tile_n, self.tile_m))
 
-        # S^T and dP^T in flight together
-        acc_S = cute.make_rmem_tensor(acc_shape, Float32)
-        acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
-        pipes.q.consumer_wait(state)
-        mma_sm90.gemm(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait_groups=-1)
-        pipes.do.consumer_wait(state)
-        mma_sm90.gemm(tiled_mma_sdp, acc_dP, ops.tdPrV, ops.tdPrdO[None, None, None, stage], zero_init=True, wait_groups=-1)
-
-        # per-query statistics of this thread's columns, read from smem where used
+        # per-query statistics of this thread's columns, read from smem where used (or
+        # into registers while the GEMMs run: BwdConfig.stats_in_registers)
         tScS = thr_mma_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
         cols = mma_sm90.acc_as_rows_cols(tScS)
         num_cols = cute.size(cols.shape[1])
         lse2 = ColumnStat(smem.lse2, cols, stage)
         dsum = ColumnStat(smem.dsum, cols, stage)
+
+        # S^T and dP^T in flight together
+        acc_S = cute.make_rmem_tensor(acc_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
+        pipes.q.consumer_wait(state)
+        mma_sm90.gemm(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait_groups=-1)
+        if cutlass.const_expr(self.stats_in_registers):
+            lse2 = lse2.load(num_cols)  # landed with Q's stage
+        pipes.do.consumer_wait(state)
+        mma_sm90.gemm(tiled_mma_sdp, acc_dP, ops.tdPrV, ops.tdPrdO[None, None, None, stage], zero_init=True, wait_groups=-1)
+        if cutlass.const_expr(self.stats_in_registers):
+            dsum = dsum.load(num_cols)  # landed with dO's stage
 
         P = mma_sm90.acc_as_rows_cols(acc_S)
         dS = mma_sm90.acc_as_rows_cols(acc_dP)
@@ -765,9 +772,10 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.ds_stages > 1):
                 self.wait_ds_free(barrier_threads)  # only sdQ to wait for now
             if cutlass.const_expr(self.dq_atomic):
-                chunks, chunk0 = dq_dest
-                dq_accum.add_from_registers(acc_dQ, chunks[None, chunk0 + m_block], tidx,
-                                            self.num_dq_threads)
+                chunks, chunk0, seqlen = dq_dest
+                if self.in_sequence(m_block, seqlen):
+                    dq_accum.add_from_registers(acc_dQ, chunks[None, chunk0 + m_block], tidx,
+                                                self.num_dq_threads)
             else:
                 for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                     smem.dq[dq_accum.offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
@@ -784,6 +792,17 @@ class FlashBwdSm90:
         release_after_loads(state, pipes.q, pipes.do)
         if cutlass.const_expr(not self.dq_atomic):
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+
+    @cute.jit
+    def in_sequence(self, m_block, seqlen: SeqlenInfo):
+        """Whether query block m_block has rows in the sequence, i.e. its dQ_accum chunk
+        (and turn counter) exist. Always, but for varlen with a mask mod whose block-mask
+        lists outlived offsets rewritten behind torch's version counter (blocks/seqlen.py):
+        such a step still runs, its dQ goes nowhere."""
+        inside = True
+        if cutlass.const_expr(self.features.varlen and self.features.mask_mod is not None):
+            inside = m_block * self.tile_m < seqlen.seqlen_q
+        return inside
 
     @cute.jit
     def wait_ds_free(self, barrier_threads: cutlass.Constexpr[int]):
