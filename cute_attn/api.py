@@ -590,10 +590,13 @@ def _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel=False
 
 
 def _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel):
-    """The FP8 forward (forward only: validation refused autograd)."""
-    if _traced(q):
-        raise NotImplementedError("the FP8 forward has no torch.compile op yet: call it eagerly")
-    if no_kernel:
+    """The FP8 forward (forward only: validation refused autograd); traced calls go
+    through cute_attn::fwd_fp8."""
+    if not no_kernel and _traced(q):
+        from cute_attn import ops
+
+        out, lse = ops.attention_fp8(q, k, v, descales, policy, features, run_args)
+    elif no_kernel:
         out, lse = _outputs_without_kernel(q, features, policy.output)
     else:
         out, lse = _launcher().run_fwd_fp8(q, k, v, descales, policy, features, run_args, need_lse=return_lse)

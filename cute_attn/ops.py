@@ -1,8 +1,8 @@
 """The kernels as torch.library custom ops, for torch.compile, torch.export and FakeTensorMode.
 
-Ten ops in the namespace `cute_attn`, each with a fake (meta) implementation that only
-allocates outputs shaped and laid out as the launcher's, and the forwards differentiable
-through `register_autograd`:
+Eleven ops in the namespace `cute_attn`, each with a fake (meta) implementation that only
+allocates outputs shaped and laid out as the launcher's, and the 16-bit forwards
+differentiable through `register_autograd`:
 
     cute_attn::fwd(Tensor q, Tensor k, Tensor v, str mask, float softmax_scale,
                    float softcap, SymInt window_left, SymInt window_right,
@@ -32,6 +32,10 @@ through `register_autograd`:
                                max_seqlen_q, max_seqlen_k, Tensor[] aux, Tensor? sink,
                                Tensor? dropout_seed, float dropout_p, str mods,
                                <the six>) -> (dq, dk, dv, dsink)
+    cute_attn::fwd_fp8(q, k, v, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale,
+                       Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q,
+                       SymInt max_seqlen_k, ScalarType out_dtype, <the first five of the six>)
+                       -> (out, lse)
 
 The mods' ops (mask/score mods, attention sinks) name their mods by the digests of their
 specs, "mask/score" ("" for none): a mod is a compile-time constant of its kernel, not a
@@ -44,6 +48,10 @@ dropout_seed the Philox key (int32 (2,)) with dropout_p > 0, else None. The varl
 ops take no block mask: their real implementations build (and cache) the per-sequence one
 from the offsets they receive, which a traced call cannot read (attention_mods refuses a
 user's block_mask there).
+
+fwd_fp8 is the e4m3 forward, dense (no offsets: the max_seqlen arguments unread) or
+packed varlen, forward only (validation refuses autograd for FP8 inputs); out_dtype is the
+output's (bfloat16 or float16).
 
 The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
 builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
@@ -70,8 +78,8 @@ from cute_attn.config import DTYPE_OF_INPUT, AttnFeatures, DtypePolicy, RunArgs,
 from cute_attn import validation
 from cute_attn.validation import _layout_problem, prepare_dout
 
-__all__ = ["attention", "attention_kvcache", "attention_mods", "fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_kvcache",
-           "kv_append", "fwd_mods", "bwd_mods", "fwd_varlen_mods", "bwd_varlen_mods"]
+__all__ = ["attention", "attention_fp8", "attention_kvcache", "attention_mods", "fwd", "bwd", "fwd_varlen", "bwd_varlen",
+           "fwd_kvcache", "kv_append", "fwd_mods", "bwd_mods", "fwd_varlen_mods", "bwd_varlen_mods", "fwd_fp8"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -285,6 +293,20 @@ def _bwd_varlen_mods_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     return _mods_backward(dout, q, k, v, out, lse, features, run_args, deterministic, (mask_mod, score_mod), sink)
 
 
+def _fwd_fp8_impl(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_descale: Optional[Tensor],
+                  v_descale: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                  max_seqlen_q: int, max_seqlen_k: int, out_dtype: torch.dtype, mask: str, softmax_scale: float,
+                  softcap: float, window_left: int, window_right: int) -> tuple[Tensor, Tensor]:
+    """(out, lse) of validated e4m3 inputs, dense or packed (cu_seqlens given)."""
+    from cute_attn.config import FP8_POLICY_OF_OUTPUT
+
+    _check_pointers("q", q, "k", k, "v", v)
+    varlen = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right, varlen)
+    return api._launcher().run_fwd_fp8(q, k, v, (q_descale, k_descale, v_descale), FP8_POLICY_OF_OUTPUT[out_dtype],
+                                       features, run_args)
+
+
 # The ops run their real implementations on CUDA tensors only (the CPU tests register
 # the same functions for the CPU, with a stand-in launcher)
 fwd = torch.library.custom_op("cute_attn::fwd", _fwd_impl, mutates_args=(), device_types="cuda")
@@ -303,6 +325,7 @@ fwd_varlen_mods = torch.library.custom_op("cute_attn::fwd_varlen_mods", _fwd_var
                                           device_types="cuda")
 bwd_varlen_mods = torch.library.custom_op("cute_attn::bwd_varlen_mods", _bwd_varlen_mods_impl, mutates_args=(),
                                           device_types="cuda")
+fwd_fp8 = torch.library.custom_op("cute_attn::fwd_fp8", _fwd_fp8_impl, mutates_args=(), device_types="cuda")
 
 
 # ----------------------------------------------------------------------------------------
@@ -327,6 +350,18 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, sof
       softcap, window_left, window_right, deterministic):
     total_q, heads, _ = q.shape
     return _fake_out(q), q.new_empty((heads, total_q), dtype=torch.float32)
+
+
+@fwd_fp8.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out_dtype,
+      mask, softmax_scale, softcap, window_left, window_right):
+    # run_fwd_fp8: out like q in the output dtype, lse as the 16-bit forwards'
+    out = torch.empty_like(q, dtype=out_dtype)
+    if cu_seqlens_q is None:
+        batch, seqlen_q, heads, _ = q.shape
+        return out, q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    total_q, heads, _ = q.shape
+    return out, q.new_empty((heads, total_q), dtype=torch.float32)
 
 
 @fwd_kvcache.register_fake
@@ -487,6 +522,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_args:
         return fwd_varlen(q, k, v, run_args.cu_seqlens_q, run_args.cu_seqlens_k, run_args.max_seqlen_q,
                           run_args.max_seqlen_k, *params)
     return fwd(q, k, v, *params)
+
+
+def attention_fp8(q: Tensor, k: Tensor, v: Tensor, descales, policy: DtypePolicy, features: AttnFeatures,
+                  run_args: RunArgs) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a validated FP8 call through cute_attn::fwd_fp8 (descales: the three
+    descale tensors or None; policy: the output's, config.FP8_POLICY_OF_OUTPUT)."""
+    window_left, window_right = run_args.window
+    varlen = (run_args.cu_seqlens_q, run_args.cu_seqlens_k, run_args.max_seqlen_q, run_args.max_seqlen_k) \
+        if features.varlen else (None, None, 0, 0)
+    return fwd_fp8(q, k, v, *descales, *varlen, policy.output, features.mask, run_args.softmax_scale,
+                   run_args.softcap, window_left, window_right)
 
 
 def attention_mods(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_args: RunArgs,

@@ -568,3 +568,84 @@ def test_real_implementation_checks_pointers(stand_in):
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
     assert stand_in.bwd_calls[0]["dout_aligned"] and stand_in.bwd_calls[0]["dout_stride"] == out.stride()
+
+
+# ----------------------------------------------------------------------------------------
+# The FP8 forward's op (cute_attn::fwd_fp8)
+# ----------------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_fp8_schema():
+    schema = str(torch.ops.cute_attn.fwd_fp8.default._schema)
+    assert schema == ("cute_attn::fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, "
+                      "Tensor? v_descale, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+                      "SymInt max_seqlen_k, ScalarType out_dtype, str mask, float softmax_scale, float softcap, "
+                      "SymInt window_left, SymInt window_right) -> (Tensor, Tensor)")
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float16])
+def test_fake_fp8_forward_dense_and_varlen(fake_sm90, no_data_ptr, out_dtype):
+    """mha / mha_varlen on fake e4m3 CUDA tensors reach cute_attn::fwd_fp8's fake
+    implementation (no launcher, no data_ptr): out in the output dtype and q's stride
+    order, lse float32 as the 16-bit forwards'."""
+    want = out_dtype or torch.bfloat16
+    with FakeTensorMode():
+        q = _fake_bhsd_as_bshd(2, 300, 8, 128, FP8, "cuda")
+        k, v = (torch.empty(2, 500, 2, 128, dtype=FP8, device="cuda") for _ in range(2))
+        descale = torch.empty(2, 2, device="cuda")
+        out, lse = api.mha(q, k, v, causal=True, return_lse=True, q_descale=descale, k_descale=descale,
+                           v_descale=descale, out_dtype=out_dtype)
+        assert (out.shape, out.stride(), out.dtype) == (q.shape, q.stride(), want)
+        assert (lse.shape, lse.dtype) == ((2, 8, 300), torch.float32)
+        qp = torch.empty(700, 8, 128, dtype=FP8, device="cuda")
+        kp, vp = (torch.empty(900, 2, 128, dtype=FP8, device="cuda") for _ in range(2))
+        cu_q, cu_k = (torch.empty(4, dtype=torch.int32, device="cuda") for _ in range(2))
+        out, lse = api.mha_varlen(qp, kp, vp, cu_q, cu_k, 400, 500, return_lse=True, out_dtype=out_dtype)
+        assert (out.shape, out.dtype, lse.shape) == (qp.shape, want, (8, 700))
+
+
+class _Fp8StandIn(StandInLauncher):
+    """run_fwd_fp8 by the FP8 emulation (cute_attn.fp8), allocated like the launcher's."""
+
+    def run_fwd_fp8(self, q, k, v, descales, policy, features, args, need_lse=True):
+        from cute_attn.fp8 import fp8_attention_emulated
+
+        self.fwd_calls.append(dict(features=features, args=args))
+        ref = ref_kwargs(features, args)
+        o, l = fp8_attention_emulated(q, k, v, *descales, causal=ref["causal"], window_size=ref["window_size"],
+                                      softcap=ref["softcap"], softmax_scale=ref["softmax_scale"])
+        out = torch.empty_like(q, dtype=policy.output)
+        out.copy_(o)
+        lse = torch.empty(l.shape, dtype=torch.float32)
+        lse.copy_(l)
+        return out, lse
+
+
+def test_compile_fp8_fullgraph_dynamic(monkeypatch):
+    """An FP8 call under torch.compile(fullgraph=True, dynamic=True): no graph break, one
+    graph calling cute_attn::fwd_fp8 for two sequence lengths, results equal eager mha's
+    (the same CPU stand-in behind both)."""
+    torch.library.register_kernel("cute_attn::fwd_fp8", "cpu", ops._fwd_fp8_impl)
+    launcher = _Fp8StandIn()
+    monkeypatch.setattr(api, "_launcher_module", launcher)
+    monkeypatch.setattr(validation, "_check_devices", lambda tensors: None)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend = CountingBackend()
+
+    def attend(q, k, v, qd, kd, vd):
+        return api.mha(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    compiled = torch.compile(attend, backend=backend, fullgraph=True, dynamic=True)
+    try:
+        for seqlen in (48, 80):
+            g = torch.Generator().manual_seed(seqlen)
+            q, k, v = (torch.randn(2, seqlen, h, 64, generator=g).to(FP8) for h in (4, 2, 2))
+            qd, kd, vd = (torch.rand(2, 2, generator=g) + 0.5 for _ in range(3))
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(q, k, v, qd, kd, vd), attend(q, k, v, qd, kd, vd))
+        assert_one_graph_calling(backend, "fwd_fp8")
+    finally:
+        torch._dynamo.reset()

@@ -71,6 +71,49 @@ def test_opcheck_varlen():
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_opcheck_fp8(varlen):
+    """cute_attn::fwd_fp8 (forward only) with the real kernel: schema, fake vs real
+    outputs, AOT dispatch with dynamic shapes."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    if varlen:
+        cu_q = torch.tensor([0, 77, 77, 207], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, 50, 251, 380], dtype=torch.int32, device="cuda")
+        q = torch.randn(207, 4, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+        k, v = (torch.randn(380, 2, 128, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(2))
+        offsets, batch = (cu_q, cu_k, 130, 201), 3
+    else:
+        q = torch.randn(2, 200, 4, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+        k, v = (torch.randn(2, 333, 2, 128, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(2))
+        offsets, batch = (None, None, 0, 0), 2
+    descales = [torch.rand(batch, 2, device="cuda", generator=g) + 0.5 for _ in range(3)]
+    five = _params(128, causal=True)[:-1]  # the six but deterministic (a forward-only op)
+    args = (q, k, v, *descales, *offsets, torch.bfloat16, *five)
+    torch.library.opcheck(torch.ops.cute_attn.fwd_fp8.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_compiled_fp8_equals_eager(fresh_dynamo):
+    """mha on e4m3 inputs traced with fullgraph=True and dynamic shapes calls the same
+    kernel as eager: bit-identical out and lse at two sequence lengths, one compile."""
+    recorder = _Recorder()
+
+    def attend(q, k, v, d):
+        return cute_attn.mha(q, k, v, causal=True, return_lse=True, q_descale=d, k_descale=d, v_descale=d)
+
+    compiled = torch.compile(attend, backend=recorder, fullgraph=True, dynamic=True)
+    for seqlen in (300, 517):
+        g = torch.Generator(device="cuda").manual_seed(seqlen)
+        q = torch.randn(2, seqlen, 8, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+        k, v = (torch.randn(2, seqlen, 2, 128, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(2))
+        d = torch.rand(2, 2, device="cuda", generator=g) + 0.5
+        with torch.no_grad():
+            out, lse = compiled(q, k, v, d)
+            out2, lse2 = attend(q, k, v, d)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    assert len({cid for cid in recorder.compile_ids}) == 1, recorder.compile_ids
+
+
 # ----------------------------------------------------------------------------------------
 # torch.compile (inductor): fullgraph, dynamic sequence lengths, eager results
 # ----------------------------------------------------------------------------------------
