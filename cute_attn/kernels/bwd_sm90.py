@@ -558,7 +558,8 @@ class FlashBwdSm90:
             # B operands of dV, dK and dQ: dO^T, Q^T and K^T
             tdVrdO=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.do))),
             tdKrQ=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.q))),
-            tdQrdS=wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(smem.ds))),  # (.., stage)
+            # (with ds_stages 2, a last mode for the sdS buffer: indexed by the step's stage)
+            tdQrdS=wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(smem.ds))),
             tdQrK=wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(mma_sm90.transpose_view(smem.k))),
             acc_dV=cute.make_rmem_tensor(dkv_shape, Float32),
             acc_dK=cute.make_rmem_tensor(dkv_shape, Float32),
