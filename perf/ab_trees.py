@@ -7,6 +7,7 @@ custom-op namespace and cache folder renamed, so both load side by side):
 
     python3 perf/ab_trees.py --prepare REV          # on your machine: writes scratch/ab_tree/
     python3 perf/ab_trees.py --pass bwd [--rounds 5] [--headdims 64,128] [--seqlens ...]
+                             [--dropout 0.1]   # both trees with dropout; no FA4 (none on Hopper)
 
 (on the device, carry scratch/ab_tree). 16K tokens per shape (harness.sweep_shape),
 causal and not; prints TFLOP/s and new/old, new/fa4, old/fa4.
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--headdims", type=harness.parse_int_list, default=[64, 128])
     p.add_argument("--seqlens", type=harness.parse_int_list, default=[1024, 4096, 16384])
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout_p for both trees (then no FA4)")
     args = p.parse_args(argv)
     if args.prepare:
         prepare(args.prepare)
@@ -65,6 +67,11 @@ def main(argv=None) -> int:
         return out[0] if isinstance(out, tuple) else out
 
     impls = {"new": cute_attn.mha, "old": cute_attn_old.mha, "fa4": fa4}
+    if args.dropout:
+        seed = torch.tensor([1234, 5678], dtype=torch.int32, device="cuda")
+        extra = dict(dropout_p=args.dropout, dropout_seed=seed)
+        impls = {"new": lambda q, k, v, causal: cute_attn.mha(q, k, v, causal=causal, **extra),
+                 "old": lambda q, k, v, causal: cute_attn_old.mha(q, k, v, causal=causal, **extra)}
     for d in args.headdims:
         for causal in (False, True):
             for s in args.seqlens:
@@ -90,9 +97,11 @@ def main(argv=None) -> int:
                 ms, _ = harness.run_rounds(timers, args.rounds)
                 flops = harness.attention_flops(b, h, s, s, d, causal, args.pas)
                 tf = {n: harness.tflops(flops, statistics.median(t)) for n, t in ms.items()}
-                print(f"hd{d} causal={causal!s:5} s{s:5d} {args.pas}: new {tf['new']:.0f} old {tf['old']:.0f} "
-                      f"fa4 {tf['fa4']:.0f} TF/s | new/old {tf['new'] / tf['old']:.3f} "
-                      f"new/fa4 {tf['new'] / tf['fa4']:.3f} old/fa4 {tf['old'] / tf['fa4']:.3f}", flush=True)
+                line = (f"hd{d} causal={causal!s:5} s{s:5d} {args.pas}: new {tf['new']:.0f} old {tf['old']:.0f} TF/s"
+                        f" | new/old {tf['new'] / tf['old']:.3f}")
+                if "fa4" in tf:
+                    line += f" fa4 {tf['fa4']:.0f} new/fa4 {tf['new'] / tf['fa4']:.3f} old/fa4 {tf['old'] / tf['fa4']:.3f}"
+                print(line, flush=True)
     return 0
 
 
