@@ -599,7 +599,7 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
                                 varlen=args if features.varlen else None)
     if sink is None:
         sink = _placeholder(q.device, (1,)).view(torch.float32)
-    if uses_tile_queue(config, _work_tiles(q, features, args, config)):
+    if config.tile_queue and uses_tile_queue(config, _work_tiles(q, features, args, config)):
         cu_q = _tile_queue(q.device)
     fn(q4, k4, v4, out4, lse3, cu_q, cu_k, *lists, aux, sink, *_dropout_arguments(q.device, args),
        args.max_seqlen_q, args.softmax_scale, args.softcap, args.window[0], args.window[1])

@@ -74,7 +74,7 @@ import torch
 from torch import Tensor
 
 from cute_attn import api
-from cute_attn.config import DTYPE_OF_INPUT, AttnFeatures, DtypePolicy, RunArgs, attn_features
+from cute_attn.config import DTYPE_OF_INPUT, FP8, FP8_POLICY_OF_OUTPUT, AttnFeatures, DtypePolicy, RunArgs, attn_features
 from cute_attn import validation
 from cute_attn.validation import _layout_problem, prepare_dout
 
@@ -123,8 +123,11 @@ def _check_pointers(*named):
 
 
 def _policy(dtype):
-    # a stand-in launcher's dtype (float32 in the CPU tests) gets the default policy, as
-    # in validation.prepare_dout
+    # e4m3 inputs: either FP8 policy (they differ only in the output); a stand-in
+    # launcher's dtype (float32 in the CPU tests) gets the default policy, as in
+    # validation.prepare_dout
+    if dtype is FP8:
+        return FP8_POLICY_OF_OUTPUT[torch.bfloat16]
     return DTYPE_OF_INPUT.get(dtype) or DtypePolicy("", dtype, dtype, dtype)
 
 
@@ -298,8 +301,6 @@ def _fwd_fp8_impl(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], 
                   max_seqlen_q: int, max_seqlen_k: int, out_dtype: torch.dtype, mask: str, softmax_scale: float,
                   softcap: float, window_left: int, window_right: int) -> tuple[Tensor, Tensor]:
     """(out, lse) of validated e4m3 inputs, dense or packed (cu_seqlens given)."""
-    from cute_attn.config import FP8_POLICY_OF_OUTPUT
-
     _check_pointers("q", q, "k", k, "v", v)
     varlen = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right, varlen)

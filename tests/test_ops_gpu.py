@@ -82,12 +82,13 @@ def test_opcheck_fp8(varlen):
         q = torch.randn(207, 4, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
         k, v = (torch.randn(380, 2, 128, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(2))
         offsets, batch = (cu_q, cu_k, 130, 201), 3
+        five = _params(128, causal=True, varlen=offsets)[:-1]  # the six but deterministic
     else:
         q = torch.randn(2, 200, 4, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
         k, v = (torch.randn(2, 333, 2, 128, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(2))
         offsets, batch = (None, None, 0, 0), 2
+        five = _params(128, causal=True)[:-1]
     descales = [torch.rand(batch, 2, device="cuda", generator=g) + 0.5 for _ in range(3)]
-    five = _params(128, causal=True)[:-1]  # the six but deterministic (a forward-only op)
     args = (q, k, v, *descales, *offsets, torch.bfloat16, *five)
     torch.library.opcheck(torch.ops.cute_attn.fwd_fp8.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
@@ -98,18 +99,18 @@ def test_compiled_fp8_equals_eager(fresh_dynamo):
     kernel as eager: bit-identical out and lse at two sequence lengths, one compile."""
     recorder = _Recorder()
 
-    def attend(q, k, v, d):
-        return cute_attn.mha(q, k, v, causal=True, return_lse=True, q_descale=d, k_descale=d, v_descale=d)
+    def attend(q, k, v, qd, kd, vd):
+        return cute_attn.mha(q, k, v, causal=True, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
 
     compiled = torch.compile(attend, backend=recorder, fullgraph=True, dynamic=True)
     for seqlen in (300, 517):
         g = torch.Generator(device="cuda").manual_seed(seqlen)
         q = torch.randn(2, seqlen, 8, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
         k, v = (torch.randn(2, seqlen, 2, 128, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(2))
-        d = torch.rand(2, 2, device="cuda", generator=g) + 0.5
+        descales = [torch.rand(2, 2, device="cuda", generator=g) + 0.5 for _ in range(3)]
         with torch.no_grad():
-            out, lse = compiled(q, k, v, d)
-            out2, lse2 = attend(q, k, v, d)
+            out, lse = compiled(q, k, v, *descales)
+            out2, lse2 = attend(q, k, v, *descales)
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
     assert len({cid for cid in recorder.compile_ids}) == 1, recorder.compile_ids
 
