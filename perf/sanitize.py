@@ -153,6 +153,9 @@ CASES = (
     Case("persistent-hd64-gqa", head_dim=64, batch=4, seqlen_q=1000, seqlen_k=1111, nheads=16, nheads_kv=4,
          softcap=20.0),
     Case("persistent-queue-causal-gqa", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4, causal=True),
+    # O staged in Q's buffer (FwdConfig.o_over_q, forced): Q released after O's store
+    Case("persistent-o-over-q-hd256", head_dim=256, batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4,
+         causal=True, backward=False, extra={"config": "o_over_q"}),
     # the same tiles dealt round robin (no queue), and through the queue without GQA
     Case("persistent-rr-causal-gqa", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4, causal=True,
          backward=False, extra={"config": "round_robin"}),
@@ -318,6 +321,10 @@ def force_config(name):
     elif name == "ds2k":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2, dk_after_dq=True)
+    elif name == "o_over_q":
+        from cute_attn import tuning
+        tuning.with_persistent_grid = lambda cfg, head_dim, features, num_sms: dataclasses.replace(
+            cfg, persistent_ctas=132, tile_queue=features.mask == "causal", o_over_q=True) if cfg.pack_gqa == 1 else cfg
     elif name == "round_robin":
         from cute_attn import tuning
         tuning.with_persistent_grid = lambda *a, **kw: dataclasses.replace(

@@ -292,3 +292,33 @@ def test_persistent_forward(case, ctas, tile_queue):
     for _ in range(2 if tile_queue else 1):
         out, lse = run_forward(case, q, k, v, cu, kernel=persistent_kernel)
         check_forward(case, q, k, v, cu, out, lse)
+
+
+# FwdConfig.o_over_q: the persistent grid above head dim 128, O staged in Q's buffer and
+# Q released only after O's store; 5 CTAs walk 8-32 tiles each
+O_OVER_Q_CASES = [
+    Case(d=256, h=4, h_kv=2, sq=1000, sk=777),
+    Case(d=192, h=4, h_kv=4, causal=True, sq=700, sk=1000),
+    Case(FP16, 256, h=4, h_kv=1, softcap=20.0, sq=555, sk=700),
+]
+
+
+@pytest.mark.parametrize("tile_queue", [False, True], ids=["round_robin", "queue"])
+@pytest.mark.parametrize("case", O_OVER_Q_CASES, ids=str)
+def test_persistent_forward_with_o_over_q(case, tile_queue):
+    import dataclasses
+
+    from cute_attn import api, config, launcher
+
+    def persistent_kernel(case, q, k, v, cu, return_lse):
+        features, run_args = api._features_and_args(case.causal, case.window, case.softcap, case.scale)
+        forced = dataclasses.replace(config.fwd_config_for(case.d, features), persistent_ctas=5,
+                                     tile_queue=tile_queue, o_over_q=True)
+        return launcher.run_fwd(q, k, v, features, run_args, forced, num_splits=1)
+
+    q, k, v, _, cu = make_inputs(case, seed=6)
+    if case.softcap:
+        assert_cap_bites(case, q, k)
+    for _ in range(2 if tile_queue else 1):
+        out, lse = run_forward(case, q, k, v, cu, kernel=persistent_kernel)
+        check_forward(case, q, k, v, cu, out, lse)
