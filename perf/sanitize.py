@@ -321,14 +321,17 @@ def force_config(name):
     elif name == "ds2k":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2, dk_after_dq=True)
-    elif name == "o_over_q":
+    elif name in ("o_over_q", "round_robin"):
+        # the default's persistent grid changed in one field (tuning asks with_persistent_grid)
         from cute_attn import tuning
-        tuning.with_persistent_grid = lambda cfg, head_dim, features, num_sms: dataclasses.replace(
-            cfg, persistent_ctas=132, tile_queue=features.mask == "causal", o_over_q=True) if cfg.pack_gqa == 1 else cfg
-    elif name == "round_robin":
-        from cute_attn import tuning
-        tuning.with_persistent_grid = lambda *a, **kw: dataclasses.replace(
-            config.with_persistent_grid(*a, **kw), tile_queue=False)
+
+        def persistent(cfg, head_dim, features, num_sms):
+            if name == "round_robin":
+                return dataclasses.replace(config.with_persistent_grid(cfg, head_dim, features, num_sms), tile_queue=False)
+            if cfg.pack_gqa != 1:
+                return cfg
+            return dataclasses.replace(cfg, persistent_ctas=132, tile_queue=features.mask == "causal", o_over_q=True)
+        tuning.with_persistent_grid = persistent
     elif name is not None:
         raise ValueError(f"unknown forced config {name!r}")
 

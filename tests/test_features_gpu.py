@@ -267,6 +267,27 @@ PERSISTENT_CASES = [
 ]
 
 
+def check_persistent_forward(case, seed, **forced_fields):
+    """The case through launcher.run_fwd with the default config plus forced_fields (a
+    persistent grid), under the accuracy rule of every forward test; twice with the tile
+    queue, so the second call needs the counter the first left at zero."""
+    import dataclasses
+
+    from cute_attn import api, config, launcher
+
+    def persistent_kernel(case, q, k, v, cu, return_lse):
+        features, run_args = api._features_and_args(case.causal, case.window, case.softcap, case.scale)
+        forced = dataclasses.replace(config.fwd_config_for(case.d, features), **forced_fields)
+        return launcher.run_fwd(q, k, v, features, run_args, forced, num_splits=1)
+
+    q, k, v, _, cu = make_inputs(case, seed=seed)
+    if case.softcap:
+        assert_cap_bites(case, q, k)
+    for _ in range(2 if forced_fields.get("tile_queue") else 1):
+        out, lse = run_forward(case, q, k, v, cu, kernel=persistent_kernel)
+        check_forward(case, q, k, v, cu, out, lse)
+
+
 @pytest.mark.parametrize("tile_queue", [False, True], ids=["round_robin", "queue"])
 @pytest.mark.parametrize("ctas", [5, 132])
 @pytest.mark.parametrize("case", PERSISTENT_CASES, ids=str)
@@ -276,22 +297,7 @@ def test_persistent_forward(case, ctas, tile_queue):
     from the tile queue, run through launcher.run_fwd with the config forced: the
     accuracy rule of every forward test. The queue is called twice, so the second call
     needs the counter the first left at zero (else it skips tiles: poisoned rows)."""
-    import dataclasses
-
-    from cute_attn import api, config, launcher
-
-    def persistent_kernel(case, q, k, v, cu, return_lse):
-        features, run_args = api._features_and_args(case.causal, case.window, case.softcap, case.scale)
-        forced = dataclasses.replace(config.fwd_config_for(case.d, features), persistent_ctas=ctas,
-                                     tile_queue=tile_queue)
-        return launcher.run_fwd(q, k, v, features, run_args, forced, num_splits=1)
-
-    q, k, v, _, cu = make_inputs(case, seed=5)
-    if case.softcap:
-        assert_cap_bites(case, q, k)
-    for _ in range(2 if tile_queue else 1):
-        out, lse = run_forward(case, q, k, v, cu, kernel=persistent_kernel)
-        check_forward(case, q, k, v, cu, out, lse)
+    check_persistent_forward(case, 5, persistent_ctas=ctas, tile_queue=tile_queue)
 
 
 # FwdConfig.o_over_q: the persistent grid above head dim 128, O staged in Q's buffer and
@@ -306,19 +312,4 @@ O_OVER_Q_CASES = [
 @pytest.mark.parametrize("tile_queue", [False, True], ids=["round_robin", "queue"])
 @pytest.mark.parametrize("case", O_OVER_Q_CASES, ids=str)
 def test_persistent_forward_with_o_over_q(case, tile_queue):
-    import dataclasses
-
-    from cute_attn import api, config, launcher
-
-    def persistent_kernel(case, q, k, v, cu, return_lse):
-        features, run_args = api._features_and_args(case.causal, case.window, case.softcap, case.scale)
-        forced = dataclasses.replace(config.fwd_config_for(case.d, features), persistent_ctas=5,
-                                     tile_queue=tile_queue, o_over_q=True)
-        return launcher.run_fwd(q, k, v, features, run_args, forced, num_splits=1)
-
-    q, k, v, _, cu = make_inputs(case, seed=6)
-    if case.softcap:
-        assert_cap_bites(case, q, k)
-    for _ in range(2 if tile_queue else 1):
-        out, lse = run_forward(case, q, k, v, cu, kernel=persistent_kernel)
-        check_forward(case, q, k, v, cu, out, lse)
+    check_persistent_forward(case, 6, persistent_ctas=5, tile_queue=tile_queue, o_over_q=True)
