@@ -290,7 +290,11 @@ def run_case(case):
             # offsets rewritten behind torch's version counter after a checked call: the
             # host's once-per-version check does not see them, the kernels' clamp
             # (blocks/seqlen.packed_span) must keep every access inside the tensors
-            attend(*tensors, **kwargs)
+            # (with the mods and a backward: the forward's and the transposed block masks,
+            # built on the host from the offsets, are made and cached while they are valid)
+            checked = attend(*(t.detach().requires_grad_(case.backward) for t in tensors), **kwargs)
+            if case.backward:
+                checked.float().sum().backward()
             cu_q.data[1] = total_q + 4096
             cu_k.data[1] = -7
     if case.extra.get("mods"):
