@@ -132,6 +132,9 @@ def test_dropout_kernels_compile():
     _, main, _ = compile_bwd(BwdKey("bf16", 128, features, bwd_config_for(128, features), False), "--keep-ptx")
     for ptx in (fwd, main.__ptx__):
         assert "wgmma.mma_async" in ptx and ptx.count("mul.wide.u32") >= 20
+    # the backward's lane pairs share each call: one computes it, a shuffle (xor 4)
+    # passes the other its word
+    assert "shfl.sync.bfly.b32" in main.__ptx__
 
 
 def _varlen_qkv():
