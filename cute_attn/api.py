@@ -123,8 +123,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             scaled by 1 / (1 - dropout_p), p taken to 1/256; lse stays the undropped one), forward and
             backward, from a counter-based Philox generator (cute_attn/dropout.py):
             the backward regenerates the forward's mask. Works with causal, window_size,
-            the mods and a sink, and in mha_varlen; not with softcap or a score_mod
-            under autograd, FP8 or KV caches yet.
+            softcap, the mods and a sink, and in mha_varlen; not with FP8 or KV caches
+            yet.
         dropout_seed: the call's Philox key, an int32 (2,) tensor on q's device; None
             draws one from torch's CUDA generator (reproducible after torch.manual_seed,
             no host sync, CUDA-graph safe). cute_attn.dropout_mask(seed, ...) gives the
@@ -272,9 +272,6 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or (sink is not None and sink.requires_grad))
     if dropout_p:
-        if needs_grad and (softcap or score is not None):
-            raise NotImplementedError("dropout_p with softcap or a score_mod has no backward yet (their derivative "
-                                      "is folded into dP before the dropout mask is known)")
         if dropout_seed is None:
             from cute_attn.dropout import new_seed
 

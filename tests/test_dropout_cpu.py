@@ -112,13 +112,32 @@ def test_api_rejects_bad_dropout_arguments(kwargs, error, match, monkeypatch):
         cute_attn.mha(q, k, v, **kwargs)
 
 
-def test_dropout_with_softcap_under_autograd_is_refused(monkeypatch):
-    monkeypatch.setattr(cute_attn.api, "_launcher_module", LauncherTrap(" on dropout with softcap"))
-    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
-    q, k, v = (t.requires_grad_() for t in _cpu_qkv())
-    seed = fake_cuda(torch.zeros(2, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="softcap or a score_mod"):
-        cute_attn.mha(q, k, v, softcap=5.0, dropout_p=0.1, dropout_seed=seed)
+@pytest.mark.parametrize("head_dim, score", [(128, "softcap"), (64, "alibi")])
+def test_dropout_backward_with_a_score_derivative_compiles(head_dim, score):
+    """Dropout beside a softcap or a score mod in the backward: dP^T takes the mask before
+    the derivative folds in, P^T after dS^T. The two passes draw the same Philox words,
+    which the compiler computes once (as many wide multiplies as a dropout backward
+    without a score derivative) and keeps live across the fold: spill-free at head dim
+    64; head dim 128 with a softcap spills 100 bytes (ptxas), accepted for this
+    combination (without it the call had no backward at all)."""
+    from cute_attn import masks
+    from cute_attn import ptx as ptx_tool
+    from cute_attn.config import AttnFeatures, bwd_config_for
+    from cute_attn.launcher import BwdKey, compile_bwd
+
+    plain = AttnFeatures(mask="causal", dropout=True)
+    if score == "softcap":
+        features = AttnFeatures(mask="causal", softcap=True, dropout=True)
+    else:
+        features = AttnFeatures(mask_mod=masks.causal().spec, score_mod=masks.alibi(torch.ones(2)).spec, dropout=True)
+    counts = []
+    for f in (plain, features):
+        _, main, _ = compile_bwd(BwdKey("bf16", head_dim, f, bwd_config_for(head_dim, f), False), "--keep-ptx")
+        counts.append(main.__ptx__.count("mul.wide.u32"))
+    assert counts[1] == counts[0] > 0, counts
+    report = ptx_tool.ptxas_report(main.__ptx__)
+    if "ptxas not found" not in report and head_dim == 64:
+        assert " 0 bytes spill stores" in report, report
 
 
 def test_dropout_kernels_compile():
@@ -132,6 +151,9 @@ def test_dropout_kernels_compile():
     _, main, _ = compile_bwd(BwdKey("bf16", 128, features, bwd_config_for(128, features), False), "--keep-ptx")
     for ptx in (fwd, main.__ptx__):
         assert "wgmma.mma_async" in ptx and ptx.count("mul.wide.u32") >= 20
+    # the backward's lane pairs share each call: one computes it, a shuffle (xor 4)
+    # passes the other its word
+    assert "shfl.sync.bfly.b32" in main.__ptx__
 
 
 def _varlen_qkv():

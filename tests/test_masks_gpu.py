@@ -716,6 +716,11 @@ DROPOUT_CASES = {
     "window_128": (dict(window_size=(100, 20)), lambda: (masks.sliding_window(100, 20), None), 1, 611, 611, 2, 1, 128),
     "block_diffusion_64": (None, lambda: (masks.block_diffusion(16), None), 1, 700, 700, 2, 2, 64),
     "causal_256": (dict(causal=True), lambda: (masks.causal(), None), 1, 259, 259, 2, 2, 256),
+    # a score derivative beside the mask: dP^T masked before the fold, P^T after dS^T
+    "softcap_causal_128": (dict(causal=True, softcap=20.0), lambda: (masks.causal(), masks.softcap(20.0)),
+                           2, 333, 333, 4, 2, 128),
+    "alibi_causal_64": (None, lambda: (masks.causal(), masks.alibi(torch.linspace(0.05, 0.5, 4, device="cuda"))),
+                        1, 517, 517, 4, 2, 64),
 }
 
 
@@ -724,23 +729,23 @@ def test_dropout_forward_and_backward_match_reference(name):
     """The kernels' output and gradients against the fp32 reference with the kernels'
     own mask (dropout_mask of the call's seed), under the rules of the mods' tests."""
     kwargs, make, b, sq, sk, h, h_kv, d = DROPOUT_CASES[name]
-    mask, _ = make()
+    mask, score = make()
     p = 0.17
     seed = _seed(len(name), 99)
     q, k, v = _inputs(b, sq, sk, h, h_kv, d, seed=len(name) + 1)
-    call = dict(mask_mod=mask) if kwargs is None else kwargs
+    call = dict(mask_mod=mask, score_mod=score) if kwargs is None else kwargs
     keep = cute_attn.dropout_mask(seed, b, h, sq, sk, p)
     drop = (keep, p)
     out, lse = _run(q, k, v, dropout_p=p, dropout_seed=seed, **call)
-    out_ref, lse_ref = attention_ref_mod(q, k, v, mask_mod=mask, dropout_keep=keep, dropout_p=p)
+    out_ref, lse_ref = attention_ref_mod(q, k, v, mask_mod=mask, score_mod=score, dropout_keep=keep, dropout_p=p)
     err = (out.float() - out_ref).abs().max().item()
-    err_torch = (_reference_lowp(q, k, v, mask, None, drop=drop).float() - out_ref).abs().max().item()
+    err_torch = (_reference_lowp(q, k, v, mask, score, drop=drop).float() - out_ref).abs().max().item()
     assert err <= 2 * err_torch + OUT_FLOOR, f"out: {err:.3g} > 2 x {err_torch:.3g}"
     finite = torch.isfinite(lse_ref)
     assert (lse[finite] - lse_ref[finite]).abs().max().item() <= LSE_ATOL  # the undropped softmax's
     dout = torch.randn_like(q)
     _, grads = _kernel_grads(q, k, v, dout, dropout_p=p, dropout_seed=seed, **call)
-    _check_grads(q, k, v, dout, grads, mask_mod=mask, drop=drop)
+    _check_grads(q, k, v, dout, grads, mask_mod=mask, score_mod=score, drop=drop)
 
 
 def test_dropout_same_seed_is_bit_identical_and_seeds_differ():

@@ -6,7 +6,8 @@ A WGMMA accumulator fragment ((2, 2, V), M, N) gives each thread, per 64-row blo
 16-column group, rows {r, r + 8} x columns {c, c + 1, c + 8, c + 9}: two units. The
 forward (queries on rows) holds the 4 units of a group in two neighbouring 16-column
 blocks and draws one Philox call per 16 elements; the backward (keys on rows) holds one
-unit per group and draws a call per 4 elements, using one of its words.
+unit per group and uses one word of its call, so two lanes share each call (one
+computes it, a shuffle passes the other its word): a call per 8 elements per lane.
 
 Cost: PHILOX_ROUNDS rounds of 2 wide multiplies and 2 three-way XORs per call, then a
 shift, mask and compare per element, on the integer pipe beside the tensor cores
@@ -137,15 +138,28 @@ class Dropout(Staged):
     def _apply_keys_on_rows(self, acc, tScS, row_base, col_base, mi: cutlass.Constexpr[int],
                             ni: cutlass.Constexpr[int], v: cutlass.Constexpr[int], negate: cutlass.Constexpr[bool]):
         """The backward's S^T: the thread's key pair fixes the word of every group it
-        touches; each unit (query pair q0, q0 + 8) is a call of its own."""
+        touches; each unit (query pair q0, q0 + 8) is a call of its own, which the two
+        lanes holding keys k and k + 1 (lane and lane ^ 4: rows lane / 4 of the
+        accumulator) both need, one word each. So of a block's two units (queries c and
+        c + 1) the even-key lane computes the first call and the odd-key lane the second,
+        and each passes the other the word it needs: half the Philox work of one call
+        per unit, for one shuffle per pair."""
         k0 = row_base + tScS[((0, 0, 0), mi, ni)][0]
         kb = Uint32(k0)
+        odd_key = (kb & Uint32(1)) != Uint32(0)
         word_index = ((kb >> Uint32(4)) & Uint32(1)) * Uint32(2) + (kb & Uint32(1))
         for blk in cutlass.range_constexpr(v // 2):
+            q_first = col_base + tScS[((0, 0, 2 * blk), mi, ni)][1]  # query c's unit
+            q_second = col_base + tScS[((1, 0, 2 * blk), mi, ni)][1]  # query c + 1's
+            words = self._group_words(q_second if odd_key else q_first, k0)
+            mine = _pick(words, word_index)
+            theirs = Uint32(cute.arch.shuffle_sync_bfly(Int32(_pick(words, word_index ^ Uint32(1))), offset=4))
             for e in cutlass.range_constexpr(2):
-                base = ((e, 0, 2 * blk), mi, ni)
-                q0 = col_base + tScS[base][1]
-                word = _pick(self._group_words(q0, k0), word_index)
+                # e = 0 (query c): the even-key lane's call; e = 1 (query c + 1): the odd one's
+                if cutlass.const_expr(e == 0):
+                    word = theirs if odd_key else mine
+                else:
+                    word = mine if odd_key else theirs
                 for rh in cutlass.range_constexpr(2):  # key + 8 (k_hi)
                     for qh in cutlass.range_constexpr(2):  # query + 8 (q_hi)
                         idx = ((e, rh, 2 * blk + qh), mi, ni)

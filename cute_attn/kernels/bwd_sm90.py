@@ -687,6 +687,13 @@ class FlashBwdSm90:
         warpgroup.wait_group(1)
         # a softcap or a score mod rewrites S^T, and its derivative joins dS^T
         score_grad = self.features.softcap or self.features.score_mod is not None
+        if cutlass.const_expr(dropout is not None and score_grad):
+            # dropout with a score derivative: dP^T through the dropout mask first (dropped
+            # 0, kept / (1 - p)), so the derivative folds into dP^T - D below as without
+            # dropout; P^T takes the mask after dS^T = P^T * that (a second Philox pass)
+            warpgroup.wait_group(0)
+            dropout.apply(acc_dP, tScS, n_block * self.tile_n, m_block * self.tile_m, keys_on_rows=True)
+            acc_dP.store(acc_dP.load() * dropout.inv_keep)
         if cutlass.const_expr(self.features.softcap):
             softcap_scores(acc_S, softcap_pre)
             warpgroup.wait_group(0)
@@ -702,11 +709,11 @@ class FlashBwdSm90:
         if cutlass.const_expr(masked):
             mask.apply(acc_S, tScS, m_block, n_block, keys_on_rows=True)
         probs_from_lse(acc_S, lse2, scale_log2)
-        if cutlass.const_expr(dropout is not None):
+        if cutlass.const_expr(dropout is not None and not score_grad):
             # the forward's mask again, as a sign: P < 0 marks a dropped element
             dropout.apply(acc_S, tScS, n_block * self.tile_n, m_block * self.tile_m, keys_on_rows=True, negate=True)
         # dS^T = P^T * (dP^T - D) (* the softcap's or score mod's derivative, folded in above)
-        if cutlass.const_expr(dropout is not None):
+        if cutlass.const_expr(dropout is not None and not score_grad):
             # dropout: dP^T reaches the kept P scaled by 1 / (1 - p), a dropped one not at
             # all; with the sign as the mask, dS = P (dP / (1 - p) - D) kept, (-P) D dropped
             warpgroup.wait_group(0)
@@ -720,6 +727,10 @@ class FlashBwdSm90:
             for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
                 for c in cutlass.range_constexpr(num_cols):
                     dS[r, c] = P[r, c] * dS[r, c]
+            if cutlass.const_expr(dropout is not None):
+                # dV's P^T: the kept scaled by 1 / (1 - p), the dropped 0
+                dropout.apply(acc_S, tScS, n_block * self.tile_n, m_block * self.tile_m, keys_on_rows=True)
+                acc_S.store(acc_S.load() * dropout.inv_keep)
         else:
             warpgroup.wait_group(0)
             for c in cutlass.range_constexpr(num_cols):
