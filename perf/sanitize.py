@@ -119,6 +119,8 @@ CASES = (
     Case("sink-dropout-causal-gqa", nheads=4, nheads_kv=2, causal=True, extra={"sink": True, "dropout": 0.2}),
     Case("mods-bd3lm-dropout-hd64", head_dim=64, seqlen_q=302, seqlen_k=302, extra={"mods": "bd3lm", "dropout": 0.1}),
     Case("dropout-hd256-window", head_dim=256, window_size=(64, 32), extra={"dropout": 0.3}),
+    # dropout beside a score derivative (softcap: dP^T masked before the fold)
+    Case("dropout-softcap-causal-gqa", nheads=4, nheads_kv=2, causal=True, softcap=20.0, extra={"dropout": 0.2}),
     # packed sequences with a sink and dropout; the deterministic backward's block-mask turns
     Case("varlen-sink-dropout-gqa", nheads=4, nheads_kv=2, causal=True, lengths=((0, 40), (150, 200), (277, 129)),
          extra={"sink": True, "dropout": 0.2}),
