@@ -58,7 +58,7 @@ def main():
     seqlens = harness.parse_int_list(sys.argv[2] if len(sys.argv) > 2 else "4096,16384")
     head_dims = harness.parse_int_list(sys.argv[3] if len(sys.argv) > 3 else "256,192")
     names = (sys.argv[4] if len(sys.argv) > 4 else "sdq").split(",")
-    causals = [int(c) for c in (sys.argv[5] if len(sys.argv) > 5 else "0,1").split(",")]  # 0 is valid here
+    causals = harness.parse_flag_list(sys.argv[5] if len(sys.argv) > 5 else "0,1")
     print(torch.cuda.get_device_name(), flush=True)
     base, _ = harness.load_impls(["cute_attn", "fa4", "sdpa_cudnn"])
     for d in head_dims:

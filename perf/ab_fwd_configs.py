@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--headdims", type=harness.parse_int_list, default=[128])
     p.add_argument("--seqlens", type=harness.parse_int_list, default=[4096, 16384])
-    p.add_argument("--causal", type=harness.parse_int_list, default=[0, 1])
+    p.add_argument("--causal", type=harness.parse_flag_list, default=[0, 1])
     p.add_argument("--variants", default="n176")
     args = p.parse_args(argv)
     from cute_attn import launcher

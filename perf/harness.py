@@ -178,6 +178,14 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
+def parse_flag_list(text: str) -> list[int]:
+    """'0,1' -> [0, 1] (causal off / on); for argparse."""
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    if not values or any(v not in ("0", "1") for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of 0 and 1, got {text!r}")
+    return [int(v) for v in values]
+
+
 def parse_positive_int(text: str) -> int:
     """'5' -> 5; for argparse (--rounds)."""
     try:
