@@ -277,11 +277,6 @@ class FwdConfig(_WarpSpecialized):
     # the cu_seqlens_q slot, which a dense batch does not read (launcher._tile_queue);
     # each launch leaves it zero.
     tile_queue: bool = False
-    # A persistent grid stages O in Q's buffer instead of a buffer of its own (which does
-    # not fit beside the K/V rings above head dim 128): the consumers then release Q only
-    # once the epilogue's TMA store has read O, so the next tile's Q load waits for the
-    # epilogue (its K blocks still load under it). Not measured yet (session 18).
-    o_over_q: bool = False
 
     @property
     def kv_box_rows(self) -> int:
@@ -308,8 +303,6 @@ class FwdConfig(_WarpSpecialized):
             raise ValueError(f"persistent_ctas must be >= 0, got {self.persistent_ctas}")
         if self.tile_queue and not self.persistent_ctas:
             raise ValueError("tile_queue needs a persistent grid (persistent_ctas > 0)")
-        if self.o_over_q and not self.persistent_ctas:
-            raise ValueError("o_over_q is for a persistent grid (one tile per CTA always writes O over Q)")
         if self.persistent_ctas and self.split_kv:
             raise ValueError("a split-KV grid is sized per call: not persistent (split_config)")
         if self.page_size and (self.page_size % 8 or (self.page_size % self.tile_n and self.tile_n % self.page_size)):
@@ -366,10 +359,9 @@ FWD_SMEM_OVERHEAD = 2 * 1024
 
 def fwd_smem_bytes(config: FwdConfig, head_dim: int, itemsize: int = 2) -> int:
     """Shared memory of a 16-bit forward with this config: Q, the K and V rings, and an O
-    tile of its own when persistent (fwd_sm90: one tile per CTA, or FwdConfig.o_over_q,
-    writes O over Q)."""
+    tile of its own when persistent (fwd_sm90: one tile per CTA writes O over Q)."""
     tiles = config.tile_m * head_dim + 2 * config.num_stages * config.tile_n * head_dim
-    if config.persistent_ctas and not config.o_over_q:
+    if config.persistent_ctas:
         tiles += config.tile_m * head_dim
     return tiles * itemsize + FWD_SMEM_OVERHEAD
 

@@ -10,10 +10,9 @@ different block order is ~1e-3 on these inputs, a wrong kernel is O(1)).
 
 A variant name is a field and a value, applied to the default: n<keys> (tile_n),
 m<rows> (tile_m), s<stages> (num_stages), p<ctas> (persistent_ctas: 132 on an H100 SXM or
-H200; q<ctas>: the same with the tile queue; po<ctas> / qo<ctas>: either with O staged in
-Q's buffer, FwdConfig.o_over_q, the only persistent form above head dim 128). `copy` is
-the default itself timed again under another name: the same-config spread of a run, the
-noise floor against which the other variants' ratios are read.
+H200; q<ctas>: the same with the tile queue). `copy` is the default itself timed again
+under another name: the same-config spread of a run, the noise floor against which the
+other variants' ratios are read.
 """
 import argparse
 import dataclasses
@@ -31,8 +30,6 @@ FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages", "p": "persistent_ctas
 def variant(base, name: str):
     if name == "copy":
         return base
-    if name[:2] in ("po", "qo"):  # persistent (round robin or queue) with O over Q
-        return dataclasses.replace(base, persistent_ctas=int(name[2:]), tile_queue=name[0] == "q", o_over_q=True)
     if name[0] == "q":  # persistent with the tile queue
         return dataclasses.replace(base, persistent_ctas=int(name[1:]), tile_queue=True)
     return dataclasses.replace(base, **{FIELDS[name[0]]: int(name[1:])})

@@ -155,9 +155,6 @@ CASES = (
     Case("persistent-hd64-gqa", head_dim=64, batch=4, seqlen_q=1000, seqlen_k=1111, nheads=16, nheads_kv=4,
          softcap=20.0),
     Case("persistent-queue-causal-gqa", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4, causal=True),
-    # O staged in Q's buffer (FwdConfig.o_over_q, forced): Q released after O's store
-    Case("persistent-o-over-q-hd256", head_dim=256, batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4,
-         causal=True, backward=False, extra={"config": "o_over_q"}),
     # the same tiles dealt round robin (no queue), and through the queue without GQA
     Case("persistent-rr-causal-gqa", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4, causal=True,
          backward=False, extra={"config": "round_robin"}),
@@ -327,17 +324,10 @@ def force_config(name):
     elif name == "ds2k":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2, dk_after_dq=True)
-    elif name in ("o_over_q", "round_robin"):
-        # the default's persistent grid changed in one field (tuning asks with_persistent_grid)
+    elif name == "round_robin":
         from cute_attn import tuning
-
-        def persistent(cfg, head_dim, features, num_sms):
-            if name == "round_robin":
-                return dataclasses.replace(config.with_persistent_grid(cfg, head_dim, features, num_sms), tile_queue=False)
-            if cfg.pack_gqa != 1:
-                return cfg
-            return dataclasses.replace(cfg, persistent_ctas=132, tile_queue=features.mask == "causal", o_over_q=True)
-        tuning.with_persistent_grid = persistent
+        tuning.with_persistent_grid = lambda *a, **kw: dataclasses.replace(
+            config.with_persistent_grid(*a, **kw), tile_queue=False)
     elif name is not None:
         raise ValueError(f"unknown forced config {name!r}")
 

@@ -640,28 +640,3 @@ def test_backward_with_statistics_in_registers_compiles_without_spills(mask):
     main = ptx_tool.compile_bwd_artifacts("bf16", 128, features, config)["main"]
     if main.cubin is not None:
         assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
-
-
-@pytest.mark.parametrize("head_dim, mask", [(256, "none"), (192, "causal")])
-def test_persistent_forward_with_o_over_q_fits_and_compiles(head_dim, mask):
-    """FwdConfig.o_over_q: a persistent grid above head dim 128, O staged in Q's buffer
-    (no O buffer of its own: the shared memory of the one-tile grid), spill-free, with
-    the tile loop; the config is refused without a persistent grid."""
-    import dataclasses
-
-    from cute_attn import launcher
-    from cute_attn.config import SM90_SMEM_BYTES, FwdConfig, fwd_config_for, fwd_smem_bytes
-
-    features = AttnFeatures(mask=mask)
-    base = fwd_config_for(head_dim, features)
-    config = dataclasses.replace(base, persistent_ctas=132, tile_queue=mask == "causal", o_over_q=True)
-    assert fwd_smem_bytes(config, head_dim) == fwd_smem_bytes(base, head_dim) <= SM90_SMEM_BYTES
-    assert fwd_smem_bytes(dataclasses.replace(config, o_over_q=False), head_dim) > SM90_SMEM_BYTES
-    ptx = launcher.compile_fwd(launcher.FwdKey("bf16", head_dim, features, config), "--keep-ptx").__ptx__
-    assert "%nctaid.x" in ptx
-    report = ptx_tool.ptxas_report(ptx)
-    if "ptxas not found" not in report:
-        m = re.search(r"(\d+) bytes spill stores", report)
-        assert m and int(m.group(1)) == 0, report
-    with pytest.raises(ValueError, match="o_over_q"):
-        FwdConfig(tile_m=128, tile_n=80, num_stages=2, o_over_q=True)

@@ -298,18 +298,3 @@ def test_persistent_forward(case, ctas, tile_queue):
     accuracy rule of every forward test. The queue is called twice, so the second call
     needs the counter the first left at zero (else it skips tiles: poisoned rows)."""
     check_persistent_forward(case, 5, persistent_ctas=ctas, tile_queue=tile_queue)
-
-
-# FwdConfig.o_over_q: the persistent grid above head dim 128, O staged in Q's buffer and
-# Q released only after O's store; 5 CTAs walk 8-32 tiles each
-O_OVER_Q_CASES = [
-    Case(d=256, h=4, h_kv=2, sq=1000, sk=777),
-    Case(d=192, h=4, h_kv=4, causal=True, sq=700, sk=1000),
-    Case(FP16, 256, h=4, h_kv=1, softcap=20.0, sq=555, sk=700),
-]
-
-
-@pytest.mark.parametrize("tile_queue", [False, True], ids=["round_robin", "queue"])
-@pytest.mark.parametrize("case", O_OVER_Q_CASES, ids=str)
-def test_persistent_forward_with_o_over_q(case, tile_queue):
-    check_persistent_forward(case, 6, persistent_ctas=5, tile_queue=tile_queue, o_over_q=True)

@@ -191,10 +191,9 @@ class FlashFwdSm90:
         # the 16-bit output tile needs its own shared buffer (twice Q's bytes)
         self.fp8 = dtypes.input.itemsize == 1
         # persistent: the next tile's Q may land while this tile's O is stored, so O gets
-        # a buffer of its own (FwdConfig.persistent_ctas), unless FwdConfig.o_over_q holds
-        # Q's release back until O has left
+        # a buffer of its own (FwdConfig.persistent_ctas)
         self.persistent = config.persistent_ctas > 0
-        self.o_aliases_q = dtypes.output.itemsize == dtypes.input.itemsize and (not self.persistent or config.o_over_q)
+        self.o_aliases_q = dtypes.output.itemsize == dtypes.input.itemsize and not self.persistent
         self.p_dtype = dtypes.dsl("p")
         self.out_dtype = dtypes.dsl("output")
         self.head_dim = head_dim
@@ -773,7 +772,7 @@ class FlashFwdSm90:
             if cutlass.const_expr(self.intra_wg_overlap):
                 softmax.rescale(acc_O, pending_scale)
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
-        if cutlass.const_expr(self.persistent and not self.o_aliases_q):
+        if cutlass.const_expr(self.persistent):
             # this warpgroup's QK^T WGMMAs have completed: Q's buffer may take the next tile
             pipes.q.consumer_release(q_state)
             q_state.advance()
@@ -792,13 +791,6 @@ class FlashFwdSm90:
             self.merge_if_last(g, smem, tile, seqlen, block_range.num_splits, tidx)
         else:
             self.epilogue(acc_O, lse, g, smem.o, tiled_mma_pv, tidx, tile, seqlen)
-        if cutlass.const_expr(self.persistent and self.o_aliases_q):
-            # O over Q (FwdConfig.o_over_q): the storing warp waited until the TMA store
-            # had read O; once every consumer warp is past this barrier, Q's buffer may
-            # take the next tile
-            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
-            pipes.q.consumer_release(q_state)
-            q_state.advance()
         return q_state, kv_state
 
     @cute.jit
