@@ -510,17 +510,8 @@ class BwdConfig(_WarpSpecialized):
     # read it); with two, the buffer a step writes was last read two steps back, which
     # the DS_READY barrier of the step between already ordered, so the step meets the
     # dQ writer only before its sdQ stores (FlashAttention-4's Hopper choice; +16 KB at
-    # head dim 128, +32 KB at 64). Not measured yet: perf/NOTES.md, session 18.
+    # head dim 128, +32 KB at 64). bwd_config_for says where it is taken.
     ds_stages: int = 1
-    # Issue dK after dQ and wait for dQ alone, so dQ's sdQ stores run under dK's WGMMA
-    # (FlashAttention-4's order). With one sdS buffer it measured 7-13% slower at head
-    # dim 64 (the tensor cores idle across the DQ_EMPTY wait); so only with ds_stages 2.
-    dk_after_dq: bool = False
-    # Load each step's LSE2 and D columns into registers right after issuing S^T and dP^T
-    # (FlashAttention-4's order) instead of from shared memory at each use after the
-    # WGMMA waits: 2 x tile_m / 4 more live registers, which spill at head dim 64's
-    # 128-row tiles (ptxas: 272-292 bytes), not at 96-256. Not measured yet (session 18).
-    stats_in_registers: bool = False
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -542,8 +533,6 @@ class BwdConfig(_WarpSpecialized):
                                     or self.dq_warpgroups != self.num_mma_warpgroups):
             raise ValueError("ds_stages 2 takes num_stages 2, the sdQ tile (no dq_atomic, no split_d) "
                              "and every warpgroup on dQ")
-        if self.dk_after_dq and self.ds_stages != 2:
-            raise ValueError("dk_after_dq takes ds_stages 2")
 
 
 def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:
@@ -563,9 +552,15 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     GEMM work; the window's second masked loop and the softcap's tanh spill there
     (36-108 bytes, ptxas), so those and the mods and dropout (per-element work of the
     same kind) keep 64 rows. Head dims 192 and 256 split the head dim between the two
-    warpgroups (split_d_bwd_config). perf/NOTES.md has the A/Bs."""
-    if head_dim <= 64 and not (features.local or features.softcap or features.has_mods or features.dropout):
-        return BwdConfig(tile_m=128, tile_n=128, num_stages=2)
+    warpgroups (split_d_bwd_config). perf/NOTES.md has the A/Bs.
+
+    Two sdS buffers (ds_stages) where they were measured to help (H200, 1K-16K, session
+    19): head dim 64's 128-row tiles +0-4% (causal or not), head dim 128 without a mask
+    +1-3%; at 128 causal they measured -1 to +1%, so not there, nor where no one
+    measured them (96, the window, softcap, mods, dropout)."""
+    plain = not (features.local or features.softcap or features.has_mods or features.dropout)
+    if head_dim <= 64 and plain:
+        return BwdConfig(tile_m=128, tile_n=128, num_stages=2, ds_stages=2 if head_dim == 64 else 1)
     if head_dim > 128:
         # split_d measured 1.26-1.58x the recomputing head-dim slices it replaced at 256
         # and 1.48-1.73x at 192; dQ by atomics (its second stage) 1.29-1.37x the sdQ
@@ -573,4 +568,6 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
         # (H100, 4K and 16K, causal or not; perf/NOTES.md, session 15). Atomics have no
         # order: never deterministic.
         return split_d_bwd_config(head_dim, dq_atomic=head_dim > 192 and not deterministic)
-    return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2)
+    two_ds = head_dim == 128 and plain and features.mask == "none"
+    return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2,
+                     ds_stages=2 if two_ds else 1)

@@ -12,9 +12,9 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     sdq      split_d with the sdQ tile and the dQ writer (192/256)
     atomic   the default config with dq_atomic (dQ by vector atomics)
     atomic3  the same with three stages (head dims <= 128)
-    ds2      the default with two sdS buffers (BwdConfig.ds_stages; head dims <= 128)
-    ds2k     the same with dK issued after dQ (BwdConfig.dk_after_dq)
-    sreg     the default with LSE2 and D in registers (BwdConfig.stats_in_registers; head dims > 64)
+    ds1      the default with one sdS buffer (BwdConfig.ds_stages; head dims <= 128)
+    ds2      the default with two sdS buffers
+(dK after dQ and LSE2 / D in registers, measured in session 19, lost: perf/NOTES.md)
 """
 import contextlib
 import dataclasses
@@ -28,14 +28,11 @@ from cute_attn import config, launcher  # noqa: E402
 
 VARIANTS = {  # (head dim, features) -> a forced config, or None where it does not apply
     "sdq": lambda d, f: config.split_d_bwd_config(d, dq_atomic=False) if d > 128 else None,
-    "atomic": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True),
-    "atomic3": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, num_stages=3)
-                             if d <= 128 else None),
+    "atomic": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, ds_stages=1),
+    "atomic3": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, num_stages=3,
+                                                 ds_stages=1) if d <= 128 else None),
+    "ds1": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), ds_stages=1) if d <= 128 else None,
     "ds2": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2) if d <= 128 else None,
-    "ds2k": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2, dk_after_dq=True)
-                          if d <= 128 else None),
-    "sreg": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), stats_in_registers=True)
-                          if d > 64 else None),  # hd 64 (128-row tiles) spills 272-292 bytes
 }
 
 

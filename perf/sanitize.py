@@ -160,12 +160,13 @@ CASES = (
          backward=False, extra={"config": "round_robin"}),
     Case("persistent-queue-causal", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=16, causal=True,
          backward=False),
-    # the backward with two sdS buffers and dK after dQ (BwdConfig.ds_stages, dk_after_dq):
-    # dS^T written with no barrier before it, causal GQA with a group of query heads
+    # the backward with two sdS buffers (BwdConfig.ds_stages; the default at head dim 64 and
+    # at 128 without a mask, forced at 128 causal): dS^T written with no barrier before it,
+    # causal GQA with a group of query heads
     Case("bwd-ds2-causal-gqa", batch=2, seqlen_q=700, seqlen_k=700, nheads=8, nheads_kv=2, causal=True,
-         extra={"config": "ds2k"}),
+         extra={"config": "ds2"}),
     Case("bwd-ds2-hd64-deterministic", head_dim=64, seqlen_q=500, seqlen_k=600, nheads=4, nheads_kv=4,
-         deterministic=True, extra={"config": "ds2k"}),
+         deterministic=True),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
     Case("lse-combine", batch=2, seqlen_q=300, nheads=3, backward=False, extra={"combine": 3}),
 )
@@ -321,9 +322,9 @@ def force_config(name):
     if name == "p_double_buffer":
         launcher.fp8_fwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.fp8_fwd_config_for(*a, **kw), p_double_buffer=True)
-    elif name == "ds2k":
+    elif name == "ds2":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
-            config.bwd_config_for(*a, **kw), ds_stages=2, dk_after_dq=True)
+            config.bwd_config_for(*a, **kw), ds_stages=2)
     elif name == "round_robin":
         from cute_attn import tuning
         tuning.with_persistent_grid = lambda *a, **kw: dataclasses.replace(

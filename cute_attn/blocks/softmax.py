@@ -189,17 +189,11 @@ class ColumnStat:
     this thread's columns of an S^T tile, read from the stage's shared-memory chunk at each
     use. Holding them in registers costs one register per column and statistic (16 each
     at 64 query columns, 32 at 128), which the dK/dV accumulators cannot spare at every
-    head dim (load() does it where BwdConfig.stats_in_registers asks)."""
+    head dim (session 18-19: loading them early spilled at head dim 64 and measured 0-1%
+    at 128, so they are read at each use)."""
 
     def __init__(self, smem: cute.Tensor, cols: cute.Tensor, stage):
         self.smem, self.cols, self.stage = smem, cols, stage
 
     def __getitem__(self, c):
         return self.smem[self.cols[0, c][1], self.stage]
-
-    def load(self, num_cols: int) -> cute.Tensor:
-        """All num_cols values into a register tensor (indexed the same way)."""
-        regs = cute.make_rmem_tensor((num_cols,), Float32)
-        for c in range(num_cols):  # (plain Python: unrolled as the kernel is traced)
-            regs[c] = self[c]
-        return regs

@@ -35,7 +35,7 @@ Barrier protocol per query block (named barriers, see blocks/barriers.py):
   With two sdS buffers (BwdConfig.ds_stages, indexed by Q's stage) the consumers write
   dS^T without the DQ_EMPTY wait (the buffer's last reader, the dQ two steps back, has
   completed in every warpgroup before the DS_READY in between) and wait there just before
-  the sdQ stores; with dk_after_dq those stores run under the dK WGMMA.
+  the sdQ stores.
 dQ_accum is laid out per query tile in the order of the dQ WGMMA's accumulator fragments
 (blocks/dq_accum.py), so each thread's stores to sdQ are conflict-free and the reduce is
 one contiguous chunk; the postprocess undoes the permutation.
@@ -222,8 +222,6 @@ class FlashBwdSm90:
             raise ValueError("the deterministic backward orders its dQ reduce-adds: dq_atomic cannot serve it")
         self.split_d = config.split_d  # see BwdConfig.split_d
         self.ds_stages = config.ds_stages  # see BwdConfig.ds_stages
-        self.dk_after_dq = config.dk_after_dq
-        self.stats_in_registers = config.stats_in_registers
         # one CTA per (KV block, KV head, batch). n_block 0 sees the most
         # query blocks under a causal mask, and grid order already launches it first.
         self.scheduler = TileScheduler(self.tile_n, features.varlen)
@@ -662,8 +660,7 @@ class FlashBwdSm90:
         stage = state.index
         acc_shape = wg_mma_sdp.partition_shape_C((self.tile_n, self.tile_m))
 
-        # per-query statistics of this thread's columns, read from smem where used (or
-        # into registers while the GEMMs run: BwdConfig.stats_in_registers)
+        # per-query statistics of this thread's columns, read from smem where used
         tScS = thr_mma_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
         cols = mma_sm90.acc_as_rows_cols(tScS)
         num_cols = cute.size(cols.shape[1])
@@ -675,12 +672,8 @@ class FlashBwdSm90:
         acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
         pipes.q.consumer_wait(state)
         mma_sm90.gemm(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait_groups=-1)
-        if cutlass.const_expr(self.stats_in_registers):
-            lse2 = lse2.load(num_cols)  # landed with Q's stage
         pipes.do.consumer_wait(state)
         mma_sm90.gemm(tiled_mma_sdp, acc_dP, ops.tdPrV, ops.tdPrdO[None, None, None, stage], zero_init=True, wait_groups=-1)
-        if cutlass.const_expr(self.stats_in_registers):
-            dsum = dsum.load(num_cols)  # landed with dO's stage
 
         P = mma_sm90.acc_as_rows_cols(acc_S)
         dS = mma_sm90.acc_as_rows_cols(acc_dP)
@@ -753,8 +746,7 @@ class FlashBwdSm90:
             mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, ops.tdVrP, ops.tdVrdO[None, None, None, stage], wait_groups=-1)
         else:
             mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, mma_sm90.acc_as_operand_a(rP), ops.tdVrdO[None, None, None, stage], wait_groups=-1)
-            if cutlass.const_expr(not self.dk_after_dq):
-                mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
+            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
 
             # dS^T to shared memory for dQ = dS K, which needs every warpgroup's keys
             sdS = smem.ds
@@ -774,11 +766,6 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.split_d):
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
                 mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, ops.tdKrdS, ops.tdKrQ[None, None, None, stage], wait_groups=1)
-            elif cutlass.const_expr(self.dk_after_dq):
-                # dQ's stores below run under dK's WGMMA (BwdConfig.dk_after_dq)
-                mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
-                mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS),
-                              ops.tdKrQ[None, None, None, stage], wait_groups=1)
             else:
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
             if cutlass.const_expr(self.ds_stages > 1):
@@ -792,8 +779,8 @@ class FlashBwdSm90:
                 for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                     smem.dq[dq_accum.offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
                 cute.arch.fence_view_async_shared()
-            if cutlass.const_expr(self.split_d or self.dk_after_dq):
-                # dK's WGMMA reads this stage's Q (split_d: and sdS): done before the stage
+            if cutlass.const_expr(self.split_d):
+                # dK's WGMMA reads this stage's Q and sdS: done before the stage
                 # is released below and before sdS is rewritten (the local compile caught
                 # its absence)
                 warpgroup.wait_group(0)
