@@ -368,6 +368,9 @@ def sliding_window(left, right):
     return _mask(sliding_window, f"sliding_window_{left}_{right}")
 
 
+_NOISY = 1 << 29  # above any block index: a noisy key's code offset (block_diffusion)
+
+
 def block_diffusion(block_size):
     """BD3LM's block-diffusion mask (Arriola et al., "Block Diffusion", 2025).
 
@@ -397,10 +400,16 @@ def block_diffusion(block_size):
         # p mod L for p < 2L, without a division by the run-time L
         q_block = (q - half * q_clean) // block_size
         kv_block = (kv - half * kv_clean) // block_size
-        noisy_noisy = ~q_clean & ~kv_clean & (kv_block == q_block)
-        noisy_clean = ~q_clean & kv_clean & (kv_block < q_block)
-        clean_clean = q_clean & kv_clean & (kv_block <= q_block)
-        return noisy_noisy | noisy_clean | clean_clean
+        # One code per key, two bounds per query, so a kernel keeps one register per key
+        # column across a tile's rows (with a block and a flag per key, BD3LM's forward
+        # spilled 60-136 bytes, ptxas): a clean key's code is its block, a noisy key's
+        # _NOISY + its block. A noisy query sees codes < its block (earlier clean blocks)
+        # and == _NOISY + its block (its own noisy block); a clean query sees codes <= its
+        # block and equals nothing (-1).
+        code = kv_block + _NOISY * ~kv_clean
+        below = q_block + q_clean
+        same = (q_block + _NOISY + 1) * ~q_clean - 1
+        return (code < below) | (code == same)
 
     return _mask(block_diffusion, f"block_diffusion_{block_size}")
 

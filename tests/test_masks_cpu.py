@@ -54,14 +54,14 @@ def qkv(batch, sq, sk, heads, heads_kv=None, d=16, seed=0, grad=False):
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("seqlen", [24, 25, 7])
 @pytest.mark.parametrize("block_size", [1, 4, 5, 12])
-def test_block_diffusion_matches_rule(block_size):
-    seqlen = 24  # L = 12 noisy tokens, then 12 clean ones
-    half = seqlen // 2
+def test_block_diffusion_matches_rule(block_size, seqlen):
+    half = seqlen // 2  # L noisy tokens, then L clean ones (L + 1 at an odd length)
 
     def rule(b, h, i, j):
-        bi, bj = (i % half) // block_size, (j % half) // block_size
         i_clean, j_clean = i >= half, j >= half
+        bi, bj = (i - half * i_clean) // block_size, (j - half * j_clean) // block_size
         if not i_clean and not j_clean:
             return bi == bj
         if not i_clean and j_clean:
