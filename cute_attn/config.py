@@ -267,8 +267,9 @@ class FwdConfig(_WarpSpecialized):
     p_double_buffer: bool = False
     # Dropout with intra_wg_overlap: draw a block's Philox words (blocks/dropout.Dropout.
     # draw) right after issuing its QK^T and the previous block's PV, so the integer work
-    # runs under both WGMMAs instead of after the softmax step; costs tile_n / 4 live
-    # registers per thread (the words) until the drop. Not measured yet (session 19).
+    # runs under both WGMMAs instead of after the softmax step; costs tile_n / 8 live
+    # registers per thread (the words; tile_n / 4 where blocks do not pair, Dropout.draw)
+    # until the drop. Not measured yet (session 19).
     dropout_draw_early: bool = False
     # A persistent grid of this many CTAs (the GPU's SM count: one CTA fills an SM), each
     # looping over work tiles (blocks/tile_scheduler.py), so that a tile's epilogue runs
@@ -562,10 +563,13 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     Two sdS buffers (ds_stages) where they were measured to help (H200, 1K-16K, session
     19): head dim 64's 128-row tiles +0-4% (causal or not), head dim 128 without a mask
     +1-3%; at 128 causal they measured -1 to +1%, so not there, nor where no one
-    measured them (96, the window, softcap, mods, dropout)."""
+    measured them (96, the window, softcap, mods, dropout, a sink: the sink's backward is
+    the mods' kernel). Varlen and the deterministic backward take them (the same mainloop;
+    GPU-tested and sanitized, not timed apart)."""
     plain = not (features.local or features.softcap or features.has_mods or features.dropout)
+    two_ds = 2 if plain and not features.sink else 1
     if head_dim <= 64 and plain:
-        return BwdConfig(tile_m=128, tile_n=128, num_stages=2, ds_stages=2 if head_dim == 64 else 1)
+        return BwdConfig(tile_m=128, tile_n=128, num_stages=2, ds_stages=two_ds if head_dim == 64 else 1)
     if head_dim > 128:
         # split_d measured 1.26-1.58x the recomputing head-dim slices it replaced at 256
         # and 1.48-1.73x at 192; dQ by atomics (its second stage) 1.29-1.37x the sdQ
@@ -573,6 +577,5 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
         # (H100, 4K and 16K, causal or not; perf/NOTES.md, session 15). Atomics have no
         # order: never deterministic.
         return split_d_bwd_config(head_dim, dq_atomic=head_dim > 192 and not deterministic)
-    two_ds = head_dim == 128 and plain and features.mask == "none"
     return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2,
-                     ds_stages=2 if two_ds else 1)
+                     ds_stages=two_ds if head_dim == 128 and features.mask == "none" else 1)

@@ -368,7 +368,9 @@ def sliding_window(left, right):
     return _mask(sliding_window, f"sliding_window_{left}_{right}")
 
 
-_NOISY = 1 << 29  # above any block index: a noisy key's code offset (block_diffusion)
+# above any block index (exact while seqlen < 2^30 * block_size; the largest code,
+# 2^29 + a block index, stays in int32): a noisy key's code offset (block_diffusion)
+_NOISY = 1 << 29
 
 
 def block_diffusion(block_size):

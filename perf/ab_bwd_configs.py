@@ -32,7 +32,8 @@ VARIANTS = {  # (head dim, features) -> a forced config, or None where it does n
     "atomic3": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, num_stages=3,
                                                  ds_stages=1) if d <= 128 else None),
     "ds1": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), ds_stages=1) if d <= 128 else None,
-    "ds2": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2) if d <= 128 else None,
+    "ds2": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2)
+                         if d <= 128 and d != 96 else None),  # 96: one dQ warpgroup, no second sdS
 }
 
 

@@ -614,8 +614,9 @@ def test_backward_takes_two_sds_buffers_where_measured():
     two = {(d, mask) for d in (64, 96, 128) for mask in ("none", "causal", "local")
            if bwd_config_for(d, AttnFeatures(mask=mask)).ds_stages == 2}
     assert two == {(64, "none"), (64, "causal"), (128, "none")}, two
-    for features in (AttnFeatures(softcap=30.0), AttnFeatures(dropout=True)):
-        assert bwd_config_for(128, features).ds_stages == 1
+    for features in (AttnFeatures(softcap=30.0), AttnFeatures(dropout=True), AttnFeatures(sink=True)):
+        assert bwd_config_for(128, features).ds_stages == 1 and bwd_config_for(64, features).ds_stages == 1
+    assert bwd_config_for(64, AttnFeatures(sink=True)).tile_m == 128  # the sink keeps its tiles
     assert bwd_config_for(64, AttnFeatures(mask="none"), deterministic=True).ds_stages == 2
 
 

@@ -96,6 +96,7 @@ def _cases():
         "block_diffusion_4": (lambda: masks.block_diffusion(4), 1, 1018, 1018),
         "block_diffusion_16": (lambda: masks.block_diffusion(16), 2, 1018, 1018),
         "block_diffusion_5": (lambda: masks.block_diffusion(5), 1, 700, 700),
+        "block_diffusion_16_odd": (lambda: masks.block_diffusion(16), 1, 701, 701),  # the clean half 351
         "prefix_lm": (lambda: masks.prefix_lm(torch.tensor([0, 333], dtype=torch.int32, device="cuda")), b, 777, 777),
         "document": (lambda: masks.document(_doc_ids(b, 901, 1)), b, 901, 901),
         "document_causal": (lambda: masks.document(_doc_ids(b, 901, 2), causal=True), b, 901, 901),
@@ -761,7 +762,8 @@ def test_dropout_same_seed_is_bit_identical_and_seeds_differ():
     assert (runs[0][0] != runs[2][0]).float().mean() > 0.1
 
 
-@pytest.mark.parametrize("d, causal, s", [(64, True, 700), (128, False, 611), (128, True, 1000)])
+# 256: 80-key blocks, whose 16-column blocks do not pair (each call's words picked at run time)
+@pytest.mark.parametrize("d, causal, s", [(64, True, 700), (128, False, 611), (128, True, 1000), (256, True, 555)])
 def test_dropout_words_drawn_early_are_the_same(d, causal, s, monkeypatch):
     """FwdConfig.dropout_draw_early (the Philox words drawn under the WGMMAs) draws the
     very words the default draws after the softmax: out and lse bit-identical, and out

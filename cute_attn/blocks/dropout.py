@@ -111,6 +111,7 @@ class Dropout(Staged):
         partitioned like acc; row_base, col_base: the tile's first row and column in the
         sequence (queries or keys, as keys_on_rows says). words: the forward's Philox
         words drawn beforehand for this tile (draw), or None to draw them here."""
+        assert words is None or not keys_on_rows, "words drawn early are the forward's (queries on rows)"
         v = cute.size(acc.shape[0][2])
         call = 0
         for mi in cutlass.range_constexpr(cute.size(acc.shape[1])):
@@ -130,7 +131,9 @@ class Dropout(Staged):
     def draw(self, acc: cute.Tensor, tScS: cute.Tensor, row_base: Int32, col_base: Int32) -> list:
         """The forward's Philox words of a whole tile (what apply would draw), ahead of
         the softmax: FwdConfig.dropout_draw_early issues them under the tile's WGMMAs.
-        One (q0, k0, 4 words) per call, 4 words a call: tile_n / 4 registers a thread."""
+        One (k0, 4 words) per call, in the order apply consumes them: tile_n / 8 words a
+        thread per 64-row slice when 16-column blocks pair up, tile_n / 4 (and a k0 per
+        call) when they do not."""
         v = cute.size(acc.shape[0][2])
         groups = []
         for mi in cutlass.range_constexpr(cute.size(acc.shape[1])):
