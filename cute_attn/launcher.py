@@ -208,8 +208,7 @@ def _fake_block_mask_and_aux(features: AttnFeatures, n: "_Symbols", transposed: 
     mask that ignores the batch or head is expanded with stride 0; (batch, heads, outer
     tiles[, inner tiles]), forward or transposed alike), the backward's (transposed)
     fifth, its dQ turns (batch, heads, outer, inner), and the mods' aux tensors (the
-    dtype and rank each mod was keyed with, the last stride 1: _unit_last_stride; one
-    int32 stand-in when there are none)."""
+    dtype and rank each mod was keyed with; one int32 stand-in when there are none)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -224,33 +223,12 @@ def _fake_block_mask_and_aux(features: AttnFeatures, n: "_Symbols", transposed: 
         lists += (_fake_any_strides(cutlass.Int32, (batch, n.heads, outer, inner), "dq_turn"),)
     signature = [sig for mod in (features.mask_mod, features.score_mod) if mod is not None
                  for sig in mod.aux_signature] or [(torch.int32, 1)]
-    aux = tuple(_fake_aux(getattr(cutlass, _dsl_type_name(dtype)), ndim, f"aux{i}", dtype.itemsize)
-                for i, (dtype, ndim) in enumerate(signature))
+    aux = tuple(
+        _fake_any_strides(getattr(cutlass, _dsl_type_name(dtype)),
+                          tuple(cute.sym_int32(symbol=f"aux{i}_dim{j}") for j in range(ndim)), f"aux{i}", dtype.itemsize)
+        for i, (dtype, ndim) in enumerate(signature)
+    )
     return lists, aux
-
-
-def _fake_aux(dtype, ndim: int, name: str, align: int):
-    """An aux tensor's stand-in: symbolic sizes and leading strides, the last stride 1."""
-    import cutlass.cute as cute
-
-    shape = tuple(cute.sym_int32(symbol=f"{name}_dim{j}") for j in range(ndim))
-    if ndim == 0:
-        return cute.runtime.make_fake_tensor(dtype, shape, stride=(), assumed_align=align)
-    strides = tuple(cute.sym_int64(symbol=f"{name}_stride{j}") for j in range(ndim - 1)) + (1,)
-    return cute.runtime.make_fake_tensor(dtype, shape, stride=strides, assumed_align=align)
-
-
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    """An aux tensor as the mod kernels are compiled for it: last stride 1. With a
-    run-time last stride every key column's element address took a 64-bit multiply,
-    and the document mask's forward spilled 72 bytes at head dim 128 (36 with this; the
-    packed ids' 16 bytes: none; ptxas, perf/NOTES.md session 19). A size-1 last dim's
-    stride addresses nothing and is restated; any other tensor is copied contiguous."""
-    if t.dim() == 0 or t.stride(-1) == 1:
-        return t
-    if t.shape[-1] == 1:
-        return t.as_strided(t.shape, (*t.stride()[:-1], 1))
-    return t.contiguous()
 
 
 def _fake_mod_fwd_args(key: FwdKey, n: "_Symbols"):
@@ -671,7 +649,7 @@ def _mod_arguments(q, k, tile_m, tile_n, mask_mod, score_mod, block_mask=None, t
         lists = (unused[..., 0].expand(batch, heads, 1), unused.expand(batch, heads, 1, 1)) * 2
         if transposed:
             lists += (unused.expand(batch, heads, 1, 1),)
-    aux = tuple(_unit_last_stride(t) for mod in (mask_mod, score_mod) if mod is not None for t in mod.aux)
+    aux = tuple(t for mod in (mask_mod, score_mod) if mod is not None for t in mod.aux)
     return lists, aux or (_unused_cu_seqlens(q.device),)
 
 

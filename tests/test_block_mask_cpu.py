@@ -278,31 +278,6 @@ def test_mod_kernels_compile_per_mod_not_per_value():
         assert "wgmma.mma_async" in ptx and "FlashFwdSm90Mods" in ptx
 
 
-def test_aux_tensors_reach_the_kernels_with_a_unit_last_stride():
-    """The mods' kernels are compiled for aux tensors whose last stride is 1
-    (launcher._unit_last_stride): a contiguous one passes as is, a strided one as a
-    contiguous copy, a size-1 last dim with any stride as a view restated to stride 1,
-    values unchanged; the packed document mask's forward then compiles spill-free at head
-    dim 128 (16 bytes of spill with a run-time last stride, ptxas)."""
-    from cute_attn import launcher, ptx as ptx_tool
-    from cute_attn.config import AttnFeatures, fwd_config_for
-
-    ids = torch.arange(24, dtype=torch.int32).view(4, 6)
-    assert launcher._unit_last_stride(ids) is ids
-    strided = launcher._unit_last_stride(ids.t())
-    assert strided.stride(-1) == 1 and torch.equal(strided, ids.t())
-    column = ids[:, 2:3]  # stride (6, 1) already
-    odd = column.as_strided((4, 1), (6, 7))  # a size-1 last dim with stride 7: the same elements
-    fixed = launcher._unit_last_stride(odd)
-    assert fixed.stride() == (6, 1) and torch.equal(fixed, column) and fixed.data_ptr() == odd.data_ptr()
-    scalar = torch.tensor(3)
-    assert launcher._unit_last_stride(scalar) is scalar
-    features = AttnFeatures(mask_mod=masks.document(torch.zeros(16, dtype=torch.int32), causal=True).spec)
-    art = ptx_tool.compile_fwd_artifacts("bf16", 128, features, fwd_config_for(128, features))
-    if art.cubin is not None:
-        assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
-
-
 def test_sink_kernels_compile():
     """A sink alone (the dense mask kinds through the mods' entry point) and a sink with a
     mask mod compile on the CPU (sm_90a)."""
