@@ -265,12 +265,6 @@ class FwdConfig(_WarpSpecialized):
     # converted to e4m3 while block j-1's PV WGMMA still reads the other one (the bulk of
     # unmasked blocks, taken in pairs); off: the conversion waits for that WGMMA.
     p_double_buffer: bool = False
-    # Dropout with intra_wg_overlap: draw a block's Philox words (blocks/dropout.Dropout.
-    # draw) right after issuing its QK^T and the previous block's PV, so the integer work
-    # runs under both WGMMAs instead of after the softmax step; costs tile_n / 8 live
-    # registers per thread (the words; tile_n / 4 where blocks do not pair, Dropout.draw)
-    # until the drop. Not measured yet (session 19).
-    dropout_draw_early: bool = False
     # A persistent grid of this many CTAs (the GPU's SM count: one CTA fills an SM), each
     # looping over work tiles (blocks/tile_scheduler.py), so that a tile's epilogue runs
     # while the next tile's K, V and Q load; 0: one tile per CTA. O gets a shared buffer

@@ -167,37 +167,6 @@ def test_dropout_kernels_compile():
     assert "shfl.sync.bfly.b32" in main.__ptx__
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dropout_words_drawn_early_sit_between_the_wgmma_issues_and_wait(head_dim):
-    """FwdConfig.dropout_draw_early: in the mainloop's PTX the Philox multiplies of a
-    block come after its WGMMAs are committed and before the wait for QK^T (without the
-    option: after that wait), and the kernel stays spill-free (ptxas)."""
-    import dataclasses
-    import re
-
-    from cute_attn.config import AttnFeatures, fwd_config_for
-    from cute_attn.launcher import FwdKey, compile_fwd
-    from cute_attn.ptx import ptxas_report
-
-    features = AttnFeatures(mask="causal", dropout=True)
-    base = fwd_config_for(head_dim, features)
-
-    def mainloop_order(config):
-        ptx = compile_fwd(FwdKey("bf16", head_dim, features, config), "--keep-ptx").__ptx__
-        events = "".join("W" if re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", line)
-                         else "C" if "wgmma.commit_group" in line else "m" if philox_multiplies(line) else ""
-                         for line in ptx.splitlines())
-        return re.sub("m+", "m", events), ptx
-
-    late, _ = mainloop_order(base)
-    early, ptx = mainloop_order(dataclasses.replace(base, dropout_draw_early=True))
-    assert "CCWm" in late and "CCmW" not in late, late
-    assert "CCmW" in early and "CCWm" not in early, early
-    report = ptxas_report(ptx)
-    if "ptxas not found" not in report:
-        assert " 0 bytes spill stores" in report, report
-
-
 def _varlen_qkv():
     q, k, v = (fake_cuda(torch.randn(70, 2, 64, dtype=torch.bfloat16)) for _ in range(3))
     cu = fake_cuda(torch.tensor([0, 30, 70], dtype=torch.int32))

@@ -762,31 +762,6 @@ def test_dropout_same_seed_is_bit_identical_and_seeds_differ():
     assert (runs[0][0] != runs[2][0]).float().mean() > 0.1
 
 
-# 256: 80-key blocks, whose 16-column blocks do not pair (each call's words picked at run time)
-@pytest.mark.parametrize("d, causal, s", [(64, True, 700), (128, False, 611), (128, True, 1000), (256, True, 555)])
-def test_dropout_words_drawn_early_are_the_same(d, causal, s, monkeypatch):
-    """FwdConfig.dropout_draw_early (the Philox words drawn under the WGMMAs) draws the
-    very words the default draws after the softmax: out and lse bit-identical, and out
-    equal to the fp32 reference with the kernels' own mask."""
-    import dataclasses
-
-    from cute_attn import launcher
-
-    b, h, p = 2, 4, 0.3
-    q, k, v = _inputs(b, s, s, h, h, d, seed=d + s)
-    seed = _seed(d, s)
-    default = _run(q, k, v, causal=causal, dropout_p=p, dropout_seed=seed)
-    rule = launcher.with_persistent_grid
-    monkeypatch.setattr(launcher, "with_persistent_grid", lambda *a: dataclasses.replace(rule(*a), dropout_draw_early=True))
-    early = _run(q, k, v, causal=causal, dropout_p=p, dropout_seed=seed)
-    assert torch.equal(early[0], default[0]) and torch.equal(early[1], default[1])
-    keep = cute_attn.dropout_mask(seed, b, h, s, s, p)
-    mask = masks.causal() if causal else None
-    ref, _ = attention_ref_mod(q, k, v, mask_mod=mask, dropout_keep=keep, dropout_p=p)
-    low = _reference_lowp(q, k, v, mask, None, drop=(keep, p))
-    assert (early[0].float() - ref).abs().max() <= 2 * (low.float() - ref).abs().max() + OUT_FLOOR
-
-
 def test_dropout_seed_from_torch_generator():
     """Without a seed the call draws one from torch's generator: manual_seed reproduces
     it, the next call draws another; a CUDA graph replays with a new draw each time."""

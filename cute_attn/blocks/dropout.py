@@ -19,8 +19,6 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, Uint64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_attn.blocks.staged import Staged
 from cute_attn.dropout import PHILOX_M, PHILOX_ROUNDS, PHILOX_W
@@ -57,27 +55,12 @@ def philox(c0: Uint32, c1: Uint32, c2: Uint32, c3: Uint32, k0: Uint32, k1: Uint3
     return c0, c1, c2, c3
 
 
-@dsl_user_op
-def _pinned(word: Uint32, *, loc=None, ip=None) -> Uint32:
-    """word through a side-effecting mov: the compiler may not sink its computation below
-    a later side-effecting operation (the WGMMA wait), which it otherwise does with pure
-    arithmetic whose first use lies after that wait (seen in the PTX)."""
-    return Uint32(llvm.inline_asm(T.i32(), [Uint32(word).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-                                  has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
 @cute.jit
 def _pick(words, i: Uint32) -> Uint32:
     """words[i] for a run-time i in 0..3 (three selects)."""
     low = words[1] if (i & Uint32(1)) != Uint32(0) else words[0]
     high = words[3] if (i & Uint32(1)) != Uint32(0) else words[2]
     return high if i >= Uint32(2) else low
-
-
-def _block_step(v: int) -> int:
-    """16-column blocks one forward call serves: 2 when a thread's v // 2 blocks pair up
-    (the tile's first column, a multiple of its width, is then 32-aligned), else 1."""
-    return 2 if (v // 2) % 2 == 0 else 1
 
 
 class Dropout(Staged):
@@ -103,45 +86,19 @@ class Dropout(Staged):
 
     @cute.jit
     def apply(self, acc: cute.Tensor, tScS: cute.Tensor, row_base: Int32, col_base: Int32,
-              keys_on_rows: cutlass.Constexpr[bool] = False, negate: cutlass.Constexpr[bool] = False,
-              words=None):
+              keys_on_rows: cutlass.Constexpr[bool] = False, negate: cutlass.Constexpr[bool] = False):
         """Drop elements of acc (a P tile, raw accumulator layout ((2, 2, V), M, N)):
         zero them, or with negate flip their sign (the backward: |P| still gives dS's
         -P D term, the sign says dropped). tScS: this thread's (row, col) coordinates,
         partitioned like acc; row_base, col_base: the tile's first row and column in the
-        sequence (queries or keys, as keys_on_rows says). words: the forward's Philox
-        words drawn beforehand for this tile (draw), or None to draw them here."""
-        assert words is None or not keys_on_rows, "words drawn early are the forward's (queries on rows)"
+        sequence (queries or keys, as keys_on_rows says)."""
         v = cute.size(acc.shape[0][2])
-        call = 0
         for mi in cutlass.range_constexpr(cute.size(acc.shape[1])):
             for ni in cutlass.range_constexpr(cute.size(acc.shape[2])):
                 if cutlass.const_expr(keys_on_rows):
                     self._apply_keys_on_rows(acc, tScS, row_base, col_base, mi, ni, v, negate)
                 else:
-                    for blk0 in cutlass.range_constexpr(0, v // 2, _block_step(v)):
-                        if cutlass.const_expr(words is None):
-                            group = self._draw_group(tScS, row_base, col_base, mi, ni, blk0)
-                        else:
-                            group = words[call]
-                        self._drop_group(acc, group, mi, ni, blk0, v, negate)
-                        call += 1
-
-    @cute.jit
-    def draw(self, acc: cute.Tensor, tScS: cute.Tensor, row_base: Int32, col_base: Int32) -> list:
-        """The forward's Philox words of a whole tile (what apply would draw), ahead of
-        the softmax: FwdConfig.dropout_draw_early issues them under the tile's WGMMAs.
-        One (k0, 4 words) per call, in the order apply consumes them: tile_n / 8 words a
-        thread per 64-row slice when 16-column blocks pair up, tile_n / 4 (and a k0 per
-        call) when they do not."""
-        v = cute.size(acc.shape[0][2])
-        groups = []
-        for mi in cutlass.range_constexpr(cute.size(acc.shape[1])):
-            for ni in cutlass.range_constexpr(cute.size(acc.shape[2])):
-                for blk0 in cutlass.range_constexpr(0, v // 2, _block_step(v)):
-                    k0, words = self._draw_group(tScS, row_base, col_base, mi, ni, blk0)
-                    groups.append((k0, tuple(_pinned(w) for w in words)))
-        return groups
+                    self._apply_queries_on_rows(acc, tScS, row_base, col_base, mi, ni, v, negate)
 
     @cute.jit
     def _drop(self, acc, idx, keep, negate: cutlass.Constexpr[bool]):
@@ -150,37 +107,32 @@ class Dropout(Staged):
         else:
             acc[idx] = acc[idx] if keep else Float32(0.0)
 
-    # The forward's S (queries on rows): a 16-column block is column groups j = 2 blk,
-    # 2 blk + 1 (8 apart: keys k0 and k0 + 8), and two neighbouring blocks share a group
-    # when the tile's first column is 32-aligned and it has an even number of blocks
-    # (static, _block_step); otherwise each block draws its own call and picks its words
-    # at run time.
-
     @cute.jit
-    def _draw_group(self, tScS, row_base, col_base, mi: cutlass.Constexpr[int], ni: cutlass.Constexpr[int],
-                    blk0: cutlass.Constexpr[int]):
-        """(k0, the 4 words) of the call that serves block blk0 (and blk0 + 1 if paired)."""
-        base = ((0, 0, 2 * blk0), mi, ni)
-        q0 = row_base + tScS[base][0]
-        k0 = col_base + tScS[base][1]  # e = 0: the even key of the pair
-        return (k0, self._group_words(q0, k0))
-
-    @cute.jit
-    def _drop_group(self, acc, group, mi: cutlass.Constexpr[int], ni: cutlass.Constexpr[int],
-                    blk0: cutlass.Constexpr[int], v: cutlass.Constexpr[int], negate: cutlass.Constexpr[bool]):
-        k0, words = group
-        step = _block_step(v)
-        for b in cutlass.range_constexpr(step):
-            for e in cutlass.range_constexpr(2):
-                if cutlass.const_expr(step == 2):
-                    word = words[b * 2 + e]  # block parity b, key parity e (static)
-                else:
-                    kb = Uint32(k0 + e)
-                    word = _pick(words, ((kb >> Uint32(4)) & Uint32(1)) * Uint32(2) + (kb & Uint32(1)))
-                for rh in cutlass.range_constexpr(2):
-                    for kh in cutlass.range_constexpr(2):
-                        idx = ((e, rh, 2 * (blk0 + b) + kh), mi, ni)
-                        self._drop(acc, idx, self._keep(word, rh * 2 + kh), negate)
+    def _apply_queries_on_rows(self, acc, tScS, row_base, col_base, mi: cutlass.Constexpr[int],
+                               ni: cutlass.Constexpr[int], v: cutlass.Constexpr[int], negate: cutlass.Constexpr[bool]):
+        """The forward's S: a 16-column block is column groups j = 2 blk, 2 blk + 1 (8
+        apart: keys k0 and k0 + 8), and two neighbouring blocks share a group when the
+        tile's first column is 32-aligned and it has an even number of blocks (static);
+        otherwise each block draws its own call and picks its words at run time."""
+        blocks = v // 2
+        paired = blocks % 2 == 0  # col_base is a multiple of the tile width: 32-aligned when this holds
+        step = 2 if paired else 1
+        for blk0 in cutlass.range_constexpr(0, blocks, step):
+            base = ((0, 0, 2 * blk0), mi, ni)
+            q0 = row_base + tScS[base][0]
+            k0 = col_base + tScS[base][1]  # e = 0: the even key of the pair
+            words = self._group_words(q0, k0)
+            for b in cutlass.range_constexpr(step):
+                for e in cutlass.range_constexpr(2):
+                    if cutlass.const_expr(paired):
+                        word = words[b * 2 + e]  # block parity b, key parity e (static)
+                    else:
+                        kb = Uint32(k0 + e)
+                        word = _pick(words, ((kb >> Uint32(4)) & Uint32(1)) * Uint32(2) + (kb & Uint32(1)))
+                    for rh in cutlass.range_constexpr(2):
+                        for kh in cutlass.range_constexpr(2):
+                            idx = ((e, rh, 2 * (blk0 + b) + kh), mi, ni)
+                            self._drop(acc, idx, self._keep(word, rh * 2 + kh), negate)
 
     @cute.jit
     def _apply_keys_on_rows(self, acc, tScS, row_base, col_base, mi: cutlass.Constexpr[int],

@@ -212,7 +212,6 @@ class FlashFwdSm90:
         self.page_size = config.page_size
         self.tree_row_sums = config.tree_row_sums
         self.p_double_buffer = config.p_double_buffer
-        self.dropout_draw_early = config.dropout_draw_early and config.intra_wg_overlap  # see FwdConfig
         assert not self.p_double_buffer or (self.fp8 and self.intra_wg_overlap)
         self.kv_box_rows = config.kv_box_rows
         assert self.page_size == 0 or features.kv_lengths, "a paged cache needs kv_lengths"
@@ -828,10 +827,6 @@ class FlashFwdSm90:
                 ops.tOrVt[None, None, None, v_state.index], wait_groups=-1,
             )
             self.pass_turn(wg_idx)
-            words = None
-            if cutlass.const_expr(dropout is not None and self.dropout_draw_early):
-                # this block's Philox words under the two WGMMAs just issued (FwdConfig)
-                words = dropout.draw(acc_S, ops.tScS, m_block * self.tile_m, n_block * self.tile_n)
             warpgroup.wait_group(1)
             pipes.k.consumer_release(kv_state)
             if cutlass.const_expr(self.features.softcap):
@@ -841,7 +836,7 @@ class FlashFwdSm90:
             if cutlass.const_expr(masked):
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
-            self.drop(dropout, acc_S, ops.tScS, m_block, n_block, words)
+            self.drop(dropout, acc_S, ops.tScS, m_block, n_block)
             if cutlass.const_expr(p_write is not None):
                 self.scores_to_p(acc_S, p_write)  # beside the PV WGMMA, which reads p_read
                 warpgroup.wait_group(0)
@@ -874,11 +869,10 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def drop(self, dropout, acc_S, tScS, m_block, n_block, words=None):
-        """Dropout on P (after the softmax step: the row sums are the undropped ones);
-        words: the block's Philox words if drawn early (FwdConfig.dropout_draw_early)."""
+    def drop(self, dropout, acc_S, tScS, m_block, n_block):
+        """Dropout on P (after the softmax step: the row sums are the undropped ones)."""
         if cutlass.const_expr(dropout is not None):
-            dropout.apply(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n, words=words)
+            dropout.apply(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n)
 
     @cute.jit
     def scores_to_p(self, acc_S, tOrP):
