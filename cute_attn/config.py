@@ -561,9 +561,9 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     the mods' kernel). Varlen and the deterministic backward take them (the same mainloop;
     GPU-tested and sanitized, not timed apart)."""
     plain = not (features.local or features.softcap or features.has_mods or features.dropout)
-    two_ds = 2 if plain and not features.sink else 1
+    sds_buffers = 2 if plain and not features.sink else 1
     if head_dim <= 64 and plain:
-        return BwdConfig(tile_m=128, tile_n=128, num_stages=2, ds_stages=two_ds if head_dim == 64 else 1)
+        return BwdConfig(tile_m=128, tile_n=128, num_stages=2, ds_stages=sds_buffers if head_dim == 64 else 1)
     if head_dim > 128:
         # split_d measured 1.26-1.58x the recomputing head-dim slices it replaced at 256
         # and 1.48-1.73x at 192; dQ by atomics (its second stage) 1.29-1.37x the sdQ
@@ -572,4 +572,4 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
         # order: never deterministic.
         return split_d_bwd_config(head_dim, dq_atomic=head_dim > 192 and not deterministic)
     return BwdConfig(tile_m=64, tile_n=128, num_stages=2, dq_warpgroups=1 if head_dim == 96 else 2,
-                     ds_stages=two_ds if head_dim == 128 and features.mask == "none" else 1)
+                     ds_stages=sds_buffers if head_dim == 128 and features.mask == "none" else 1)
