@@ -118,7 +118,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} + e^{sink_h}), lse likewise (a row
             that sees no key gets out = 0, lse = sink). Differentiable (its gradient is
             -sum_i e^{sink - lse_i} dO_i . O_i). Works with causal, window_size, softcap
-            or the mods; no packed GQA or split-KV (the mods' forward kernel).
+            or the mods; no packed GQA or split-KV (the mods' forward kernel). With FP8
+            inputs too (forward only: a sink that requires grad is refused there).
         dropout_p: drop probability of attention dropout on the softmax's P (kept ones
             scaled by 1 / (1 - dropout_p), p taken to 1/256; lse stays the undropped one), forward and
             backward, from a counter-based Philox generator (cute_attn/dropout.py):
@@ -169,12 +170,13 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     dropout_p = _checked_dropout_p(dropout_p, dropout_seed)
     if q_descale is not None or k_descale is not None or v_descale is not None \
             or getattr(q, "dtype", None) is FP8:
-        _refuse_fp8_extras(dropout_p, mask_mod, score_mod, aux_tensors, block_mask, learnable_sink)
+        _refuse_fp8_extras(dropout_p, mask_mod, score_mod, aux_tensors, block_mask)
         descales = (q_descale, k_descale, v_descale)
         policy, no_kernel = validate_fp8_fwd_inputs(q, k, v, descales, out_dtype, softmax_scale, softcap)
+        sink = _checked_fp8_sink(learnable_sink, q)
         scale = float(softmax_scale) if softmax_scale is not None else _default_scale(q)
         features, run_args = _features_and_args(causal, window, softcap, scale)
-        return _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel)
+        return _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel, sink)
     if out_dtype is not None:
         raise ValueError("out_dtype is for FP8 inputs; a 16-bit call returns q's dtype")
     no_kernel = validate_fwd_inputs(q, k, v, softmax_scale, softcap)
@@ -220,12 +222,11 @@ def _remember_plain_call(signature, q, k, features, run_args):
     remember(_plain_calls, signature, _PlainCall(features, run_args, launch))
 
 
-def _refuse_fp8_extras(dropout_p, mask_mod=None, score_mod=None, aux_tensors=(), block_mask=None, sink=None):
-    """The FP8 forward is the dense kernel's: what only the mods' kernel has is an error
-    there, never silently dropped."""
+def _refuse_fp8_extras(dropout_p, mask_mod=None, score_mod=None, aux_tensors=(), block_mask=None):
+    """The FP8 forward is the dense kernel's (with a sink): what only the mods' kernel has
+    is an error there, never silently dropped."""
     extras = {"dropout_p": bool(dropout_p), "mask_mod": mask_mod is not None, "score_mod": score_mod is not None,
-              "aux_tensors": bool(aux_tensors), "block_mask": block_mask is not None,
-              "learnable_sink": sink is not None}
+              "aux_tensors": bool(aux_tensors), "block_mask": block_mask is not None}
     named = [name for name, given in extras.items() if given]
     if named:
         raise NotImplementedError(f"{', '.join(named)}: no FP8 kernel yet (the FP8 forward is the dense one)")
@@ -344,15 +345,31 @@ def _checked_sink(sink, q):
     return sink.float().contiguous()
 
 
+def _checked_fp8_sink(sink, q):
+    """learnable_sink of an FP8 call (None stays None): _checked_sink's rules, and no
+    gradient to ask for (the FP8 forward has no backward, like its other inputs)."""
+    if sink is None:
+        return None
+    if torch.is_grad_enabled() and isinstance(sink, Tensor) and sink.requires_grad:
+        raise NotImplementedError("the FP8 forward has no backward: call it under torch.no_grad() or with a "
+                                  "learnable_sink that does not require grad")
+    return _checked_sink(sink, q)
+
+
+def _sink_only_lse(lse, sink, varlen):
+    """The lse of rows that see no key but a sink: the sink's logit, per head."""
+    if sink is None or not lse.numel():
+        return lse
+    per_head = sink.detach()[:, None] if varlen else sink.detach()[None, :, None]
+    return per_head.expand_as(lse).contiguous()
+
+
 def _mods_forward(q, k, v, settings, sink, need_lse=True):
     """(out, lse) of the mods' forward; with no keys (no kernel) every row sees only the
     sink: out = 0, lse = sink."""
     if settings.no_kernel:
         out, lse = _outputs_without_kernel(q, settings.features)
-        if sink is not None and lse.numel():
-            per_head = sink.detach()[:, None] if settings.features.varlen else sink.detach()[None, :, None]
-            lse = per_head.expand_as(lse).contiguous()
-        return out, lse
+        return out, _sink_only_lse(lse, sink, settings.features.varlen)
     mask, score, block_mask = settings.mods
     return _launcher().run_fwd_mods(q, k, v, settings.features, settings.run_args, mask, score, block_mask,
                                     need_lse=need_lse, sink=sink)
@@ -477,7 +494,7 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     descales = (q_descale, k_descale, v_descale)
     fp8 = any(d is not None for d in descales) or getattr(q, "dtype", None) is FP8
     if fp8:
-        _refuse_fp8_extras(dropout_p, mask_mod, score_mod, aux_tensors, block_mask, learnable_sink)
+        _refuse_fp8_extras(dropout_p, mask_mod, score_mod, aux_tensors, block_mask)
     validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale, check_cu_seqlens, softcap=softcap,
                                fp8=(descales, out_dtype) if fp8 else None)
@@ -497,7 +514,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     features, run_args = _features_and_args(causal, window, softcap, scale, varlen=varlen)
     if fp8:
         policy = FP8_POLICY_OF_OUTPUT[out_dtype or torch.bfloat16]
-        return _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel)
+        sink = _checked_fp8_sink(learnable_sink, q)
+        return _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel, sink)
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
@@ -586,17 +604,21 @@ def _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel=False
     return (out, lse) if return_lse else out
 
 
-def _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel):
-    """The FP8 forward (forward only: validation refused autograd); traced calls go
-    through cute_attn::fwd_fp8."""
+def _run_fp8(q, k, v, descales, policy, features, run_args, return_lse, no_kernel, sink=None):
+    """The FP8 forward (forward only: validation refused autograd), with an attention
+    sink when sink (float32 (heads,)) is given; traced calls go through cute_attn::fwd_fp8."""
+    if sink is not None:
+        features = dataclasses.replace(features, sink=True)
     if not no_kernel and _traced(q):
         from cute_attn import ops
 
-        out, lse = ops.attention_fp8(q, k, v, descales, policy, features, run_args)
+        out, lse = ops.attention_fp8(q, k, v, descales, policy, features, run_args, sink)
     elif no_kernel:
         out, lse = _outputs_without_kernel(q, features, policy.output)
+        lse = _sink_only_lse(lse, sink, features.varlen)
     else:
-        out, lse = _launcher().run_fwd_fp8(q, k, v, descales, policy, features, run_args, need_lse=return_lse)
+        out, lse = _launcher().run_fwd_fp8(q, k, v, descales, policy, features, run_args, need_lse=return_lse,
+                                           sink=sink)
     return (out, lse) if return_lse else out
 
 

@@ -214,7 +214,7 @@ def rmse(a, b):
 
 def fp8_attention_emulated(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False,
                            window_size=(-1, -1), softcap=0.0, softmax_scale=None,
-                           p_scale=448.0, block_n=None):
+                           p_scale=448.0, block_n=None, sink=None):
     """The forward an FP8 kernel computes, in float32 torch: returns (out, lse), float32,
     out (batch, seqlen_q, nheads, headdim), lse (batch, nheads, seqlen_q), natural log.
 
@@ -239,6 +239,9 @@ def fp8_attention_emulated(q8, k8, v8, q_descale, k_descale, v_descale, *, causa
        p_scale must be in (0, 448] so that P * p_scale cannot exceed e4m3's range.
     5. O = (P8 @ v8 in float32) * v_descale / (rowsum * p_scale); lse = rowmax + log(rowsum).
        A row that sees no key gets out = 0 and lse = -inf, no NaN.
+    6. sink (heads,) float logits (attention sinks): one more term e^sink[h] of every
+       row's sum, taken at the end against max(rowmax, sink) as the kernel does; a row that
+       sees no key then gets out = 0 and lse = sink[h].
 
     block_n=None uses the final row max (the online softmax's result, up to where it
     rounds). block_n=n follows the kernel's online softmax over key blocks [j*n, (j+1)*n),
@@ -297,6 +300,13 @@ def fp8_attention_emulated(q8, k8, v8, q_descale, k_descale, v_descale, *, causa
         row_sum = row_sum * rescale + p.sum(dim=-1, keepdim=True)
         row_max = new_max
 
+    if sink is not None:
+        s = sink.float().to(q8.device)[None, :, None, None]
+        top = torch.maximum(row_max, s)  # finite: the sink is
+        rebase = torch.exp(row_max - top)  # 0 for a row without keys
+        total = row_sum * rebase + torch.exp(s - top)
+        out = (acc * (rebase / (total * p_scale))).transpose(1, 2) * v_ds
+        return out.contiguous(), (top + torch.log(total)).squeeze(-1)
     seen = row_sum > 0
     inv = torch.where(seen, 1.0 / (row_sum * p_scale), 0.0)
     out = (acc * inv).transpose(1, 2) * v_ds  # (batch, seqlen_q, heads, headdim)

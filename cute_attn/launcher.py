@@ -184,7 +184,16 @@ def _fake_fp8_fwd_args(key: FwdKey, n: "_Symbols"):
         for name in ("q", "k", "v")
     )
     return (q, k, v_t, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), *descales,
-            *_fake_run_args(), _fake_stream())
+            _fake_sink(), *_fake_run_args(), _fake_stream())
+
+
+def _fake_sink():
+    """The sink logits' stand-in: a float32 vector (heads, or one unread element)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(symbol="sink_len"),),
+                                                 assumed_align=4)
 
 
 def _fake_any_strides(dtype, shape, name, align=4):
@@ -231,11 +240,9 @@ def _fake_mod_fwd_args(key: FwdKey, n: "_Symbols"):
 
     q, k, v, o, lse = _fake_qkvo_lse(key, n)
     lists, aux = _fake_block_mask_and_aux(key.features, n)
-    sink = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(symbol="sink_len"),),
-                                                 assumed_align=4)
     max_seqlen, scale, softcap, wl, wr = _fake_run_args()
-    return (q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), *lists, aux, sink,
-            *_fake_dropout_args(), max_seqlen, scale, softcap, wl, wr, _fake_stream())
+    return (q, k, v, o, lse, _fake_cu_seqlens("cu_seqlens_q"), _fake_cu_seqlens("cu_seqlens_k"), *lists, aux,
+            _fake_sink(), *_fake_dropout_args(), max_seqlen, scale, softcap, wl, wr, _fake_stream())
 
 
 def _fake_dropout_args():
@@ -539,10 +546,12 @@ def transpose_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None
     return buf.view(v.dtype)[..., :seqlen].movedim(-1, -3)
 
 
-def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs, need_lse: bool = True):
+def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs, need_lse: bool = True,
+                sink=None):
     """The FP8 forward on validated inputs: q, k, v e4m3 (dense, or packed varlen),
-    descales (q, k, v) each None (1) or float32 (batch, heads_kv); returns (out, lse),
-    out in policy.output with q's dimension order, lse as run_fwd's."""
+    descales (q, k, v) each None (1) or float32 (batch, heads_kv), sink float32 (heads,)
+    logits when features.sink; returns (out, lse), out in policy.output with q's
+    dimension order, lse as run_fwd's."""
     head_dim = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
     pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
@@ -566,8 +575,10 @@ def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs
     else:
         vt4 = transpose_v_fp8(v)
     out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
+    if sink is None:
+        sink = _placeholder(q.device, (1,)).view(torch.float32)
     window_left, window_right = args.window
-    fn(q4, k4, vt4, out4, lse3, cu_q, cu_k, *scales, args.max_seqlen_q, args.softmax_scale, args.softcap,
+    fn(q4, k4, vt4, out4, lse3, cu_q, cu_k, *scales, sink, args.max_seqlen_q, args.softmax_scale, args.softcap,
        window_left, window_right)
     return out, (lse if need_lse else None)
 

@@ -33,7 +33,7 @@ differentiable through `register_autograd`:
                                Tensor? dropout_seed, float dropout_p, str mods,
                                <the six>) -> (dq, dk, dv, dsink)
     cute_attn::fwd_fp8(q, k, v, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale,
-                       Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q,
+                       Tensor? sink, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q,
                        SymInt max_seqlen_k, ScalarType out_dtype, <the first five of the six>)
                        -> (out, lse)
 
@@ -50,8 +50,9 @@ from the offsets they receive, which a traced call cannot read (attention_mods r
 user's block_mask there).
 
 fwd_fp8 is the e4m3 forward, dense (no offsets: the max_seqlen arguments unread) or
-packed varlen, forward only (validation refuses autograd for FP8 inputs); out_dtype is the
-output's (bfloat16 or float16).
+packed varlen, forward only (validation refuses autograd for FP8 inputs); sink the (heads,)
+float32 logits of an attention sink or None; out_dtype is the output's (bfloat16 or
+float16).
 
 The six trailing arguments are a call's (AttnFeatures, RunArgs), as api._features_and_args
 builds them, in primitive form: mask (AttnFeatures.mask), softmax_scale, softcap (0: off),
@@ -68,6 +69,7 @@ host time to every call (perf/NOTES.md). Importing this module registers the ops
 imports no DSL; the launcher is imported on the first real call.
 """
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -297,15 +299,19 @@ def _bwd_varlen_mods_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 
 
 def _fwd_fp8_impl(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_descale: Optional[Tensor],
-                  v_descale: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                  max_seqlen_q: int, max_seqlen_k: int, out_dtype: torch.dtype, mask: str, softmax_scale: float,
-                  softcap: float, window_left: int, window_right: int) -> tuple[Tensor, Tensor]:
-    """(out, lse) of validated e4m3 inputs, dense or packed (cu_seqlens given)."""
+                  v_descale: Optional[Tensor], sink: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                  cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, out_dtype: torch.dtype,
+                  mask: str, softmax_scale: float, softcap: float, window_left: int,
+                  window_right: int) -> tuple[Tensor, Tensor]:
+    """(out, lse) of validated e4m3 inputs, dense or packed (cu_seqlens given), with an
+    attention sink when sink is given."""
     _check_pointers("q", q, "k", k, "v", v)
     varlen = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     features, run_args = _unpack(mask, softmax_scale, softcap, window_left, window_right, varlen)
+    if sink is not None:
+        features = dataclasses.replace(features, sink=True)
     return api._launcher().run_fwd_fp8(q, k, v, (q_descale, k_descale, v_descale), FP8_POLICY_OF_OUTPUT[out_dtype],
-                                       features, run_args)
+                                       features, run_args, sink=sink)
 
 
 # The ops run their real implementations on CUDA tensors only (the CPU tests register
@@ -354,8 +360,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, sof
 
 
 @fwd_fp8.register_fake
-def _(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out_dtype,
-      mask, softmax_scale, softcap, window_left, window_right):
+def _(q, k, v, q_descale, k_descale, v_descale, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      out_dtype, mask, softmax_scale, softcap, window_left, window_right):
     # run_fwd_fp8: out like q in the output dtype, lse as the 16-bit forwards'
     out = torch.empty_like(q, dtype=out_dtype)
     if cu_seqlens_q is None:
@@ -526,13 +532,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, features: AttnFeatures, run_args:
 
 
 def attention_fp8(q: Tensor, k: Tensor, v: Tensor, descales, policy: DtypePolicy, features: AttnFeatures,
-                  run_args: RunArgs) -> tuple[Tensor, Tensor]:
+                  run_args: RunArgs, sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of a validated FP8 call through cute_attn::fwd_fp8 (descales: the three
-    descale tensors or None; policy: the output's, config.FP8_POLICY_OF_OUTPUT)."""
+    descale tensors or None; policy: the output's, config.FP8_POLICY_OF_OUTPUT; sink: the
+    (heads,) float32 sink logits or None)."""
     window_left, window_right = run_args.window
     varlen = (run_args.cu_seqlens_q, run_args.cu_seqlens_k, run_args.max_seqlen_q, run_args.max_seqlen_k) \
         if features.varlen else (None, None, 0, 0)
-    return fwd_fp8(q, k, v, *descales, *varlen, policy.output, features.mask, run_args.softmax_scale,
+    return fwd_fp8(q, k, v, *descales, sink, *varlen, policy.output, features.mask, run_args.softmax_scale,
                    run_args.softcap, window_left, window_right)
 
 

@@ -479,6 +479,23 @@ def test_fp8_forward_compiles_with_e4m3_wgmma(head_dim, mask):
         assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
 
 
+@pytest.mark.parametrize("head_dim, mask", [(128, "causal"), (256, "none")])
+def test_fp8_forward_with_a_sink_compiles(head_dim, mask):
+    """An attention sink in the FP8 forward (AttnFeatures.sink): the FP8 entry point reads
+    the sink's logit (a global load the kernel without a sink does not have) and compiles
+    spill-free."""
+    from cute_attn.config import fp8_fwd_config_for
+
+    plain = AttnFeatures(mask=mask)
+    features = AttnFeatures(mask=mask, sink=True)
+    art = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, fp8_fwd_config_for(head_dim, features))
+    without = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, plain, fp8_fwd_config_for(head_dim, plain))
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k32.f32.e4m3.e4m3" in art.ptx
+    assert art.ptx.count("ld.global") > without.ptx.count("ld.global")
+    if art.cubin is not None:
+        assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_fp8_v_transpose_compiles_with_16_byte_accesses(varlen):
     """kernels/v_transpose.py: rows in and columns out in 16-byte global accesses."""

@@ -199,6 +199,28 @@ def test_emulation_against_reference(heads, causal):
     assert rmse(out_b, ref) < 6e-3 and rmse(out_b, out) < 6e-3
 
 
+@pytest.mark.parametrize("block_n", [None, 32])
+def test_emulation_with_a_sink_against_reference(block_n):
+    """The emulation's sink (one more e^sink term per row, taken at the end as the kernel
+    does) against the fp32 reference with the same sink on the dequantised inputs: the
+    LSE to float32 rounding, out within the P rounding's budget; a sink far above the
+    scores takes most of each row; rows without keys get out = 0 and lse = sink."""
+    from cute_attn import masks
+    from cute_attn.mask_reference import attention_ref_mod
+
+    q, k, v = _qkv(seed=13, b=2, sq=48, sk=48, h=4, h_kv=2)
+    fp8 = quantize_fp8(q, k, v)
+    deq = [dequantize(x, d) for x, d in zip(fp8[:3], fp8[3:])]
+    for sink in (torch.tensor([0.0, 1.5, -2.0, 3.0]), torch.full((4,), 30.0)):
+        ref, lse_ref = attention_ref_mod(*deq, mask_mod=masks.causal(), sink=sink)
+        out, lse = fp8_attention_emulated(*fp8, causal=True, sink=sink, block_n=block_n)
+        torch.testing.assert_close(lse, lse_ref, rtol=0, atol=2e-5)
+        assert rmse(out, ref) < 6e-3 and (out - ref).abs().max().item() < 4e-2
+    q, k, v = _qkv(seed=14, b=1, sq=8, sk=0, h=4, h_kv=2)
+    out, lse = fp8_attention_emulated(*quantize_fp8(q, k, v), sink=sink)
+    assert not out.any() and torch.equal(lse, sink[None, :, None].expand(1, 4, 8))
+
+
 def test_emulation_error_is_the_fp8_p_rounding():
     """Against the reference on the original (bf16) inputs the error adds the input
     quantisation; against the dequantised inputs only P's rounding is left, which is
@@ -390,16 +412,72 @@ def test_hadamard_rotation_keeps_scores(d):
         quantize_fp8(*(torch.randn(1, 4, 1, 96) for _ in range(3)), rotate=True)
 
 
-@pytest.mark.parametrize("extra", [dict(learnable_sink=torch.zeros(4)), dict(dropout_p=0.1),
-                                   dict(mask_mod="m"), dict(score_mod="s"), dict(block_mask="b")])
+@pytest.mark.parametrize("extra", [dict(dropout_p=0.1), dict(mask_mod="m"), dict(score_mod="s"),
+                                   dict(block_mask="b")])
 def test_fp8_refuses_what_only_the_mods_kernel_has(extra):
-    """A sink, dropout or mods with FP8 inputs: an error naming them, never dropped."""
+    """Dropout or mods with FP8 inputs: an error naming them, never dropped."""
     q8, k8, v8 = _fp8_qkv()
     name = next(iter(extra))
     with pytest.raises(NotImplementedError, match=f"{name}: no FP8 kernel yet"):
         cute_attn.mha(q8, k8, v8, **extra)
-    if name in ("learnable_sink", "dropout_p"):
+    if name == "dropout_p":
         q8, k8, v8 = (t[0] for t in _fp8_qkv(b=1, sq=30, sk=40))
         cu_q, cu_k = torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 15, 40], dtype=torch.int32)
         with pytest.raises(NotImplementedError, match=f"{name}: no FP8 kernel yet"):
             cute_attn.mha_varlen(q8, k8, v8, cu_q, cu_k, 20, 25, **extra)
+
+
+class _SinkRecorder:
+    """A launcher that records what run_fwd_fp8 receives (features, sink) and returns
+    outputs of the launcher's shapes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run_fwd_fp8(self, q, k, v, descales, policy, features, args, need_lse=True, sink=None):
+        self.calls.append((features, sink))
+        heads = q.shape[-2]
+        lse_shape = (heads, q.shape[0]) if features.varlen else (q.shape[0], heads, q.shape[1])
+        return torch.zeros(q.shape, dtype=policy.output), torch.zeros(lse_shape)
+
+
+def test_fp8_sink_is_checked_and_reaches_the_kernel(monkeypatch):
+    """learnable_sink with FP8 inputs (dense and varlen): shape, dtype and device checked
+    naming it, a sink that requires grad refused (the FP8 forward has no backward), a valid
+    one reaching run_fwd_fp8 as float32 (heads,) with AttnFeatures.sink; with no keys the
+    rows see only the sink (lse = its logit, no kernel)."""
+    from cpu_standin import fake_cuda
+
+    from cute_attn import api, validation
+
+    recorder = _SinkRecorder()
+    monkeypatch.setattr(api, "_launcher_module", recorder)
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    q8, k8, v8 = (fake_cuda(t) for t in _fp8_qkv())
+    with pytest.raises(ValueError, match=r"learnable_sink must have shape \(nheads,\) = \(4,\)"):
+        cute_attn.mha(q8, k8, v8, learnable_sink=fake_cuda(torch.zeros(2)))
+    with pytest.raises(TypeError, match="learnable_sink must be float32, bfloat16 or float16"):
+        cute_attn.mha(q8, k8, v8, learnable_sink=fake_cuda(torch.zeros(4, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="learnable_sink is on cpu"):
+        cute_attn.mha(q8, k8, v8, learnable_sink=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="has no backward"):
+        cute_attn.mha(q8, k8, v8, learnable_sink=fake_cuda(torch.zeros(4)).requires_grad_())
+    assert not recorder.calls
+    sink = fake_cuda(torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.bfloat16))
+    cute_attn.mha(q8, k8, v8, causal=True, learnable_sink=sink)
+    features, got = recorder.calls[-1]
+    assert features.sink and features.mask == "causal"
+    assert got.dtype == torch.float32 and torch.equal(got, sink.float())
+    qv, kv, vv = (t[0] for t in _fp8_qkv(b=1, sq=30, sk=40))
+    cu_q = fake_cuda(torch.tensor([0, 10, 30], dtype=torch.int32))
+    cu_k = fake_cuda(torch.tensor([0, 15, 40], dtype=torch.int32))
+    cute_attn.mha_varlen(fake_cuda(qv), fake_cuda(kv), fake_cuda(vv), cu_q, cu_k, 20, 25, learnable_sink=sink,
+                         check_cu_seqlens=False)
+    features, got = recorder.calls[-1]
+    assert features.sink and features.varlen and torch.equal(got, sink.float())
+    calls = len(recorder.calls)
+    no_keys = fake_cuda(k8[:, :0].contiguous())
+    out, lse = cute_attn.mha(q8, no_keys, fake_cuda(v8[:, :0].contiguous()), learnable_sink=sink, return_lse=True)
+    assert len(recorder.calls) == calls  # no kernel
+    assert torch.equal(out.float(), torch.zeros(out.shape))
+    assert torch.equal(lse, sink.float()[None, :, None].expand(2, 4, 16))

@@ -129,6 +129,43 @@ def test_fp8_rows_without_keys_are_zero_not_nan():
     _check(q8, k8, v8, qd, kd, vd, mask="causal")
 
 
+@pytest.mark.parametrize("d, mask, h, h_kv", [(128, "causal", 8, 2), (64, "none", 4, 4), (256, "causal", 4, 1)])
+def test_fp8_with_a_sink(d, mask, h, h_kv):
+    """An attention sink in the FP8 forward: against the emulation with the same sink
+    (elementwise, lse) and the fp32 reference with it on the dequantised inputs (the RMSE
+    rule of _check), for a sink among the scores and one far above them; rows that see no
+    key (causal, more queries than keys) get out = 0 and lse = the sink."""
+    from cute_attn import masks
+    from cute_attn.mask_reference import attention_ref_mod
+
+    b, s = 2, 333
+    q8, k8, v8, qd, kd, vd = _inputs(40 + d, b=b, sq=s, sk=s, h=h, h_kv=h_kv, d=d)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    kw = _mask_kwargs(mask)
+    features = attn_features(mask, False)
+    block_n = fp8_fwd_config_for(d, features).tile_n
+    deq = [dequantize(x, ds) for x, ds in ((q8, qd), (k8, kd), (v8, vd))]
+    for sink in (torch.randn(h, generator=gen, device="cuda"), torch.full((h,), 12.0, device="cuda")):
+        poison_allocator(b * s * h * d * 2, b * h * s * 4)
+        out, lse = cute_attn.mha(q8, k8, v8, return_lse=True, learnable_sink=sink, q_descale=qd, k_descale=kd,
+                                 v_descale=vd, **kw)
+        emu_out, emu_lse = fp8_attention_emulated(q8, k8, v8, qd, kd, vd, p_scale=P_SCALE, block_n=block_n,
+                                                  sink=sink, **kw)
+        ref_out, ref_lse = attention_ref_mod(*deq, mask_mod=masks.causal() if mask == "causal" else None, sink=sink)
+        assert not out.isnan().any() and not lse.isnan().any()
+        out32 = out.float()
+        out_rounding = rmse(emu_out.to(out.dtype).float(), emu_out)
+        assert rmse(out32, ref_out) <= 1.2 * rmse(emu_out, ref_out) + out_rounding
+        assert (out32 - emu_out).abs().amax().item() <= 0.05 * (ref_out.abs().amax().item() + 1e-6)
+        torch.testing.assert_close(lse, emu_lse, rtol=1e-3, atol=2e-3)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=2e-3)
+    q8, k8, v8, qd, kd, vd = _inputs(41, b=1, sq=300, sk=200, h=h, h_kv=h_kv, d=d)
+    out, lse = cute_attn.mha(q8, k8, v8, causal=True, return_lse=True, learnable_sink=sink, q_descale=qd,
+                             k_descale=kd, v_descale=vd)
+    assert torch.equal(out[:, :100], torch.zeros_like(out[:, :100]))
+    torch.testing.assert_close(lse[..., :100], sink[None, :, None].expand(1, h, 100))
+
+
 def test_fp8_without_descales_means_one():
     # values of unit scale stored as e4m3 directly: descale 1 is their true scale (with
     # amax-to-448 inputs and descale 1 the scores would be ~1e4 and the softmax an argmax)

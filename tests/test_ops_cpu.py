@@ -580,7 +580,7 @@ FP8 = torch.float8_e4m3fn
 def test_fp8_schema():
     schema = str(torch.ops.cute_attn.fwd_fp8.default._schema)
     assert schema == ("cute_attn::fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, "
-                      "Tensor? v_descale, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+                      "Tensor? v_descale, Tensor? sink, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
                       "SymInt max_seqlen_k, ScalarType out_dtype, str mask, float softmax_scale, float softcap, "
                       "SymInt window_left, SymInt window_right) -> (Tensor, Tensor)")
 
@@ -604,18 +604,21 @@ def test_fake_fp8_forward_dense_and_varlen(fake_sm90, no_data_ptr, out_dtype):
         cu_q, cu_k = (torch.empty(4, dtype=torch.int32, device="cuda") for _ in range(2))
         out, lse = api.mha_varlen(qp, kp, vp, cu_q, cu_k, 400, 500, return_lse=True, out_dtype=out_dtype)
         assert (out.shape, out.dtype, lse.shape) == (qp.shape, want, (8, 700))
+        sink = torch.empty(8, device="cuda")
+        out, lse = api.mha(q, k, v, return_lse=True, q_descale=descale, learnable_sink=sink, out_dtype=out_dtype)
+        assert (out.shape, out.dtype, lse.shape) == (q.shape, want, (2, 8, 300))
 
 
 class _Fp8StandIn(StandInLauncher):
     """run_fwd_fp8 by the FP8 emulation (cute_attn.fp8), allocated like the launcher's."""
 
-    def run_fwd_fp8(self, q, k, v, descales, policy, features, args, need_lse=True):
+    def run_fwd_fp8(self, q, k, v, descales, policy, features, args, need_lse=True, sink=None):
         from cute_attn.fp8 import fp8_attention_emulated
 
-        self.fwd_calls.append(dict(features=features, args=args))
+        self.fwd_calls.append(dict(features=features, args=args, sink=sink))
         ref = ref_kwargs(features, args)
         o, l = fp8_attention_emulated(q, k, v, *descales, causal=ref["causal"], window_size=ref["window_size"],
-                                      softcap=ref["softcap"], softmax_scale=ref["softmax_scale"])
+                                      softcap=ref["softcap"], softmax_scale=ref["softmax_scale"], sink=sink)
         out = torch.empty_like(q, dtype=policy.output)
         out.copy_(o)
         lse = torch.empty(l.shape, dtype=torch.float32)
@@ -635,8 +638,8 @@ def test_compile_fp8_fullgraph_dynamic(monkeypatch):
     torch._dynamo.utils.counters.clear()
     backend = CountingBackend()
 
-    def attend(q, k, v, qd, kd, vd):
-        return api.mha(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    def attend(q, k, v, qd, kd, vd, sink):
+        return api.mha(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, learnable_sink=sink)
 
     compiled = torch.compile(attend, backend=backend, fullgraph=True, dynamic=True)
     try:
@@ -644,8 +647,10 @@ def test_compile_fp8_fullgraph_dynamic(monkeypatch):
             g = torch.Generator().manual_seed(seqlen)
             q, k, v = (torch.randn(2, seqlen, h, 64, generator=g).to(FP8) for h in (4, 2, 2))
             qd, kd, vd = (torch.rand(2, 2, generator=g) + 0.5 for _ in range(3))
+            sink = torch.randn(4, generator=g)  # an attention sink through the op too
             with torch.no_grad():
-                torch.testing.assert_close(compiled(q, k, v, qd, kd, vd), attend(q, k, v, qd, kd, vd))
+                torch.testing.assert_close(compiled(q, k, v, qd, kd, vd, sink), attend(q, k, v, qd, kd, vd, sink))
         assert_one_graph_calling(backend, "fwd_fp8")
+        assert launcher.fwd_calls[-1]["sink"] is not None and launcher.fwd_calls[-1]["features"].sink
     finally:
         torch._dynamo.reset()

@@ -73,8 +73,9 @@ def test_opcheck_varlen():
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_opcheck_fp8(varlen):
-    """cute_attn::fwd_fp8 (forward only) with the real kernel: no input mutated or aliased
-    (the schema's claims), fake vs real outputs, AOT dispatch with dynamic shapes."""
+    """cute_attn::fwd_fp8 (forward only) with the real kernel (dense: with a sink): no input
+    mutated or aliased (the schema's claims), fake vs real outputs, AOT dispatch with
+    dynamic shapes."""
     g = torch.Generator(device="cuda").manual_seed(7)
     if varlen:
         cu_q = torch.tensor([0, 77, 77, 207], dtype=torch.int32, device="cuda")
@@ -83,13 +84,15 @@ def test_opcheck_fp8(varlen):
         k, v = (torch.randn(380, 2, 128, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(2))
         offsets, batch = (cu_q, cu_k, 130, 201), 3
         five = _params(128, causal=True, varlen=offsets)[:-1]  # the six but deterministic
+        sink = None
     else:
         q = torch.randn(2, 200, 4, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
         k, v = (torch.randn(2, 333, 2, 128, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(2))
         offsets, batch = (None, None, 0, 0), 2
         five = _params(128, causal=True)[:-1]
+        sink = torch.randn(4, device="cuda", generator=g)  # an attention sink's logits
     descales = [torch.rand(batch, 2, device="cuda", generator=g) + 0.5 for _ in range(3)]
-    args = (q, k, v, *descales, *offsets, torch.bfloat16, *five)
+    args = (q, k, v, *descales, sink, *offsets, torch.bfloat16, *five)
     # opcheck's test_schema cannot run on e4m3 inputs (its checker multiplies them and torch
     # has no e4m3 mul), so its two claims are checked here by hand: the op mutates no input
     # and returns nothing that aliases one

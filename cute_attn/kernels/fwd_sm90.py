@@ -1073,6 +1073,9 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
     """The FP8 (e4m3) forward's entry point: q, k and V transposed in e4m3, each with its
     (batch, heads_kv) float32 descale (real = stored * descale), O in 16 bits.
 
+    An attention sink (AttnFeatures.sink) is the dense kernel's: one more term of each
+    row's sum at the end, in the same log2 units as the descaled scores.
+
     V arrives as V^T: the caller passes a (batch, seqlen_k, heads_kv, head_dim) view whose
     seqlen mode is contiguous (launcher.transpose_v_fp8), because FP8 WGMMA reads both
     operands K-major and the K of P V is the key. The kernel is the dense one otherwise:
@@ -1093,6 +1096,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         mQDescale: cute.Tensor,  # (batch, heads_kv) float32
         mKDescale: cute.Tensor,
         mVDescale: cute.Tensor,
+        mSink: cute.Tensor,  # (heads,) float32 sink logits (AttnFeatures.sink), else a stand-in
         max_seqlen_q: Int32,
         softmax_scale: Float32,
         softcap: Float32,
@@ -1103,7 +1107,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         split = SplitBuffers(mO, mLSE, mO, mLSE, mCuSeqlensK)  # unread stand-ins
         self.launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mCuSeqlensK, split,
                     (mQDescale, mKDescale, mVDescale), max_seqlen_q, softmax_scale, softcap, window_left,
-                    window_right, Int32(1), stream)
+                    window_right, Int32(1), stream, sink=mSink)
 
 
 class FlashFwdSm90Mods(FlashFwdSm90):
