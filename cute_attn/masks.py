@@ -528,7 +528,12 @@ def alibi(slopes):
         raise ValueError(f"slopes must be a 1-D (heads,) float32 tensor, got {s.dtype} {tuple(s.shape)}")
 
     def alibi(score, b, h, q_idx, kv_idx, seq):
-        distance = (kv_idx - seq.offset_k) - (q_idx - seq.offset_q) - (seq.seqlen_k - seq.seqlen_q)
-        return score + seq.aux[0][h] * as_float(distance)
+        # slope * distance as a key term minus a query term: a thread's rows share its
+        # columns' key terms, so the int -> float conversion runs per column and per row,
+        # not per element (half the conversions of slope * float(distance))
+        slope = seq.aux[0][h]
+        key = slope * as_float(kv_idx - seq.offset_k)
+        query = slope * as_float((q_idx - seq.offset_q) + (seq.seqlen_k - seq.seqlen_q))
+        return score + (key - query)
 
     return Modifier("score", alibi, (s,), "alibi", (("heads",),))
