@@ -414,6 +414,19 @@ def paged_tile_n(tile_n: int, page_size: int) -> int:
     return 64
 
 
+def unsplit_decode_config(config: FwdConfig, head_dim: int, packed_rows: int) -> FwdConfig:
+    """The config an unsplit launch of config runs: a packed-GQA decode tile whose rows
+    (seqlen_q x group) fit one consumer warpgroup takes 64-row tiles, half the WGMMA rows
+    for the same keys. Measured on an H200 (perf/NOTES.md, session 20; 64/8 heads, head
+    dim 128, one query, contiguous cache, no split): batch 128 x 2K keys 259.8 vs 275.4 us,
+    8K 976 vs 1028 us. Split tiles keep 128 rows (64 lost 2-6% at batch 1: a split's time
+    is not its MMA work), and so do paged caches and other head dims (not measured)."""
+    if (config.pack_gqa > 1 and config.tile_m == 128 and packed_rows <= 64 and head_dim == 128
+            and config.page_size == 0 and not config.split_kv):
+        return FwdConfig(tile_m=64, tile_n=128, num_stages=2, pack_gqa=config.pack_gqa)
+    return config
+
+
 def mod_fwd_config_for(head_dim: int) -> FwdConfig:
     """The forward's tiles with mask/score mods (the block mask is built at these): two
     consumer warpgroups at every head dim, so a mod's per-element work has the 240-register

@@ -36,6 +36,7 @@ from cute_attn.config import (
     fwd_config_for,
     pack_gqa_for,
     split_config,
+    unsplit_decode_config,
     with_persistent_grid,
 )
 
@@ -683,7 +684,8 @@ def _plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[FwdConfi
 
 def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[FwdConfig],
                num_splits: Optional[int]) -> _Plan:
-    if config is None:
+    defaulted = config is None
+    if defaulted:
         fn, config = _default_fwd_kernel(q, k, features, 0 if args.page_table is None else k.shape[1])
     else:
         fn = None
@@ -691,6 +693,10 @@ def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[Fwd
         num_splits = choose_splits(q, k, features, args, config)
     if num_splits > 1:
         return _Plan(_split_kernel(q, features, config), num_splits, _work_tiles(q, features, args, config))
+    if defaulted and q.dtype in (torch.bfloat16, torch.float16):
+        decode = unsplit_decode_config(config, q.shape[-1], q.shape[1] * config.pack_gqa)
+        if decode is not config:
+            fn, config = None, decode
     if fn is None:
         fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
     return _Plan(fn, 1, 0, uses_tile_queue(config, _work_tiles(q, features, args, config)))

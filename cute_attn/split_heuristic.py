@@ -43,10 +43,9 @@ The rule (pure Python, no device query: the caller passes num_sms):
    split in 13 busy splits and 3 empty ones; 13 splits do the same work with fewer
    partials to write and combine.
 
-Constants to be checked on the device: see perf/NOTES.md. FILL_FRACTION,
-MIN_BLOCKS_PER_SPLIT and MAX_SPLITS are first guesses from the costs above, not
-measurements; sweep batch x seqlen_k x num_splits for decode shapes and record the best
-split per shape there before trusting them.
+Constants to be checked on the device: see perf/NOTES.md. FILL_FRACTION and MAX_SPLITS
+are first guesses from the costs above, not measurements; MIN_BLOCKS_PER_SPLIT was
+measured at batch 1 on an H200 only.
 """
 
 # Tiles per SM at which the grid counts as full (step 1).
@@ -61,9 +60,11 @@ MEMORY_BOUND_FILL_FRACTION = 0.9
 # 3350, H200: 4800; see step 2b).
 ALL_SMS_FROM_GBS = 4000
 # KV blocks (of the forward's tile_n keys, 128 at head dims <= 128) a split keeps at
-# least: 4 blocks = 512 keys, a mainloop several times the length of the prologue and of
-# the partial write it adds (to be measured).
-MIN_BLOCKS_PER_SPLIT = 4
+# least. Measured on an H200 (perf/NOTES.md, session 20; batch 1, 64/8 heads, one query):
+# 2K keys (16 blocks) in 8 splits of 2 blocks 14.7 us against 4 splits of 4 at 17.1; 8K
+# in 32 splits of 2 (two waves) 29.4 against 16 of 4 at 22.5, which the one-wave cap
+# (step 2) already refuses. 1 block per split not measured.
+MIN_BLOCKS_PER_SPLIT = 2
 # The most splits: one tile alone can use at most one wave (num_sms = 132 CTAs on an
 # H100), so 128 loses nothing on Hopper, and it bounds the fp32 partials (splits x rows x
 # headdim x 4 bytes) and the combine's loop over splits per row. FlashAttention 2 passes

@@ -722,3 +722,37 @@ def test_more_tiles_never_more_splits():
     for kv_blocks in (8, 64, 65, 257, 1024):
         counts = [choose_num_splits(batch, 4, 1, kv_blocks) for batch in range(1, 40)]
         assert counts == sorted(counts, reverse=True), (kv_blocks, counts)
+
+
+def test_unsplit_packed_decode_takes_64_row_tiles():
+    """A packed decode tile that runs unsplit, with rows for one warpgroup, takes 64-row
+    tiles (config.unsplit_decode_config, measured at head dim 128); split, paged, wider
+    and other-head-dim tiles keep the default's."""
+    import dataclasses
+
+    from cute_attn.config import AttnFeatures, fwd_config_for, unsplit_decode_config
+
+    features = AttnFeatures(mask="causal", kv_lengths=True)
+    base = fwd_config_for(128, features, pack_gqa=8)
+    assert base.tile_m == 128
+    decode = unsplit_decode_config(base, 128, 8)
+    assert (decode.tile_m, decode.tile_n, decode.pack_gqa) == (64, 128, 8)
+    assert unsplit_decode_config(base, 128, 64).tile_m == 64
+    for config, head_dim, rows in ((base, 128, 65), (base, 64, 8), (dataclasses.replace(base, split_kv=True), 128, 8),
+                                   (fwd_config_for(128, features, pack_gqa=8, page_size=16), 128, 8),
+                                   (fwd_config_for(128, features), 128, 1)):
+        assert unsplit_decode_config(config, head_dim, rows) is config
+
+
+def test_unsplit_decode_kernel_compiles_spill_free():
+    """The 64-row packed decode forward (one consumer warpgroup, KV lengths, causal)
+    compiles for sm_90a without spills."""
+    from cute_attn import ptx as ptx_tool
+    from cute_attn.config import AttnFeatures, fwd_config_for, unsplit_decode_config
+
+    features = AttnFeatures(mask="causal", kv_lengths=True)
+    config = unsplit_decode_config(fwd_config_for(128, features, pack_gqa=8), 128, 8)
+    art = ptx_tool.compile_fwd_artifacts("bf16", 128, features, config)
+    assert "wgmma.mma_async" in art.ptx
+    if "ptxas not found" not in art.ptxas_report:
+        assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
