@@ -37,9 +37,11 @@ The rule (pure Python, no device query: the caller passes num_sms):
      254.2 vs 357.5, 1013 vs 1388 us; batch 4 at 32K: 4 splits 138.5, 2 198.5, 1 352.6.
      Half the SMs cannot draw 4.8 TB/s.
 3. At most kv_blocks // MIN_BLOCKS_PER_SPLIT splits, so each keeps >= MIN_BLOCKS_PER_SPLIT
-   KV blocks, except that up to SHORT_KEY_SPLITS splits may keep MIN_BLOCKS_PER_SHORT_SPLIT
-   (short keys: 2K keys in 8 splits of 2 blocks); never more splits than KV blocks, and at
-   most max_splits.
+   KV blocks, except that a tile of at least SHORT_KEY_SPLITS x MIN_BLOCKS_PER_SHORT_SPLIT
+   blocks may take SHORT_KEY_SPLITS splits (2K keys: 8 splits of 2 blocks); never more
+   splits than KV blocks, and at most max_splits. Measured at tile_n 128 (head dims <=
+   128, contiguous caches) on an H200 only; 80-key blocks (head dim 256) and paged tiles
+   follow the same counts unmeasured.
 4. Then as few splits as give the same blocks per split: the forward slices
    ceil(kv_blocks / splits) blocks per split, so e.g. 65 blocks in 16 splits are 5 per
    split in 13 busy splits and 3 empty ones; 13 splits do the same work with fewer
@@ -105,7 +107,9 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks
         target = memory_bound_ctas(num_sms, hbm_gbs)
         if tiles >= MEMORY_BOUND_FILL_FRACTION * target:
             return 1
-    by_length = max(kv_blocks // MIN_BLOCKS_PER_SPLIT, min(kv_blocks // MIN_BLOCKS_PER_SHORT_SPLIT, SHORT_KEY_SPLITS))
+    by_length = kv_blocks // MIN_BLOCKS_PER_SPLIT
+    if kv_blocks >= MIN_BLOCKS_PER_SHORT_SPLIT * SHORT_KEY_SPLITS:  # short splits where measured (2K keys up)
+        by_length = max(by_length, SHORT_KEY_SPLITS)
     splits = min(target // tiles, by_length, max_splits)
     if splits <= 1:
         return 1

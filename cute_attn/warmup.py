@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from cute_attn.config import CAPABILITIES, AttnFeatures, bwd_config_for, split_config
+from cute_attn.config import CAPABILITIES, AttnFeatures, bwd_config_for, split_config, unsplit_decode_config
 from cute_attn.tuning import default_fwd_config
 
 # What a plain training or inference job calls: bf16, the two most used head dims,
@@ -59,6 +59,8 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
                 config = default_fwd_config(dtype, d, features, pack_gqa=pack)
                 if split:  # as launcher._split_kernel builds it
                     config = split_config(config)
+                else:  # one query per sequence, unsplit: launcher._make_plan's decode tile
+                    config = unsplit_decode_config(config, d, pack)
                 jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))
         for dtype, d, paged in itertools.product(dtypes, head_dims, (False, True)):
             if d in CAPABILITIES["fwd"].head_dims:
@@ -71,6 +73,9 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
             for pack in gqa_packs if not var else ():
                 config = default_fwd_config(dtype, d, features, pack_gqa=pack)
                 jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))
+                decode = unsplit_decode_config(config, d, pack)  # its one-query calls
+                if decode is not config:
+                    jobs.append(Job("fwd", FwdKey(dtype, d, features, decode)))
         if backward and d in CAPABILITIES["bwd"].head_dims:
             jobs.append(Job("bwd", BwdKey(dtype, d, features, bwd_config_for(d, features))))
     return jobs

@@ -106,7 +106,8 @@ def impls():
     from cute_attn import launcher
 
     def unsplit(q, k, v):
-        # the same forward without split-KV (what mha ran before it): the gain of the split
+        # the same forward without split-KV (what mha ran before it, but for packed rows of one
+        # query on 64-row tiles since session 20: config.unsplit_decode_config): the split's gain
         features, run_args = cute_attn.api._features_and_args(True, (-1, -1), 0.0, q.shape[-1] ** -0.5)
         return launcher.run_fwd(q, k, v, features, run_args, need_lse=False, num_splits=1)[0]
 

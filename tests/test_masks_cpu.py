@@ -339,6 +339,24 @@ def test_alibi_matches_hand_written_bias():
     torch.testing.assert_close(dk, dk_e)
 
 
+def test_alibi_bias_stays_exact_far_into_a_long_sequence():
+    """The bias is slope x (key - query) with the positions converted to float32 apart
+    (per column, per row in a kernel) and subtracted exactly: near the diagonal of a 1M
+    sequence it is one rounding of the product, not the difference of two large rounded
+    products (which is ~6e-2 off there for slopes that are not powers of two)."""
+    slopes = torch.tensor([0.3, 2 ** -0.5, 0.0123], dtype=torch.float64)
+    alibi = masks.alibi(slopes.float())
+    n = 1 << 20
+    q = torch.tensor([n - 1, n - 7, 123_457, n - 1])[:, None]
+    kv = q + torch.tensor([-3, -1, 0, -40_000])[None, :]
+    seq = masks.SeqInfo(alibi.aux, n, n, 0, 0)
+    for h in range(len(slopes)):
+        bias = alibi.fn(torch.zeros(q.shape[0], kv.shape[1]), 0, h, q, kv, seq)
+        exact = slopes[h] * (kv - q).double()
+        err = (bias.double() - exact).abs() / exact.abs().clamp_min(1e-30)
+        assert err.max().item() <= 2 ** -23, (h, err.max().item())
+
+
 # ----------------------------------------------------------------------------------------
 # Block masks and tile lists
 # ----------------------------------------------------------------------------------------
