@@ -420,8 +420,9 @@ def unsplit_decode_config(config: FwdConfig, head_dim: int, packed_rows: int) ->
     for the same keys. Measured on an H200 (perf/NOTES.md, session 20; 64/8 heads, head
     dim 128, one query, contiguous cache, no split; scratch A/B of tile configs, then the
     committed change against its parent through mha_with_kvcache): batch 128 x 2K keys
-    259.8 vs 275.4 us and 255.4 vs 266.3; 8K 976 vs 1028 and 958.6 vs 993.3. Split tiles keep 128 rows (64 lost 2-6% at batch 1: a split's time
-    is not its MMA work), and so do paged caches and other head dims (not measured)."""
+    259.8 vs 275.4 us and 255.4 vs 266.3; 8K 976 vs 1028 and 958.6 vs 993.3. Split tiles
+    keep 128 rows (64 lost 2-6% at batch 1: a split's time is not its MMA work), and so
+    do paged caches and other head dims (not measured)."""
     # pack_gqa > 1 only where a call packs GQA (never varlen, mods, a sink or dropout:
     # pack_gqa_for); the tile is the measured one as a whole (128 keys, 2 stages, no tree
     # row sums), not the default with fewer rows (a non-causal default has 224 keys)
