@@ -324,9 +324,9 @@ def _check_capability(family: str, key):
 
 _cache: dict = {}
 _cache_lock = threading.Lock()
-# (torch dtype, head_dim, features, pack_gqa) -> (kernel, config) of the default config: the
-# per-call lookup then hashes four plain values instead of building and hashing dataclasses
-_default_kernels: dict = {}
+# (torch dtype, head_dim, features, pack_gqa, page_size, device) -> the default config: a
+# new call shape's plan then hashes plain values instead of running the heuristics
+_default_configs: dict = {}
 
 
 def _cached(key, compile_fn):
@@ -360,26 +360,29 @@ def get_fwd_kernel(key: FwdKey):
     return _cached(key, _from_disk_or_compiled(compile_fwd, _raw))
 
 
-def _default_fwd_kernel(q, k, features: AttnFeatures, page_size: int = 0):
-    """(kernel, config) of the default config for this call (this GPU's tuned one where
-    `python -m cute_attn tune` measured a better one, see cute_attn.tuning); page_size: a
-    paged KV cache's (k is then (num_pages, page_size, heads_kv, head_dim)), else 0."""
+def _default_fwd_config(q, k, features: AttnFeatures, page_size: int = 0) -> FwdConfig:
+    """The default config for this call (this GPU's tuned one where `python -m cute_attn
+    tune` measured a better one, see cute_attn.tuning); page_size: a paged KV cache's (k
+    is then (num_pages, page_size, heads_kv, head_dim)), else 0."""
     head_dim = q.shape[-1]
     # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
     group = q.shape[-2] // k.shape[-2]
     pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
     # per device: a host may mix GPU models, and each may have its own tuned table
     cache_key = (q.dtype, head_dim, features, pack, page_size, q.device.index)
-    entry = _default_kernels.get(cache_key)
-    if entry is None:
+    config = _default_configs.get(cache_key)
+    if config is None:
         from cute_attn.tuning import default_fwd_config
 
-        dtype = DTYPE_OF_INPUT[q.dtype].name
-        config = default_fwd_config(dtype, head_dim, features, q.device.index, pack, page_size)
-        key = FwdKey(dtype, head_dim, features, config)
-        entry = _default_kernels.setdefault(cache_key,
-                                            (get_fwd_kernel(key), config))
-    return entry
+        config = default_fwd_config(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, q.device.index, pack, page_size)
+        config = _default_configs.setdefault(cache_key, config)
+    return config
+
+
+def _default_fwd_kernel(q, k, features: AttnFeatures, page_size: int = 0):
+    """(kernel, config) of _default_fwd_config."""
+    config = _default_fwd_config(q, k, features, page_size)
+    return get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config)), config
 
 
 def _batched(features: AttnFeatures, *tensors):
@@ -686,19 +689,15 @@ def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[Fwd
                num_splits: Optional[int]) -> _Plan:
     defaulted = config is None
     if defaulted:
-        fn, config = _default_fwd_kernel(q, k, features, 0 if args.page_table is None else k.shape[1])
-    else:
-        fn = None
+        config = _default_fwd_config(q, k, features, 0 if args.page_table is None else k.shape[1])
     if num_splits is None:
         num_splits = choose_splits(q, k, features, args, config)
     if num_splits > 1:
         return _Plan(_split_kernel(q, features, config), num_splits, _work_tiles(q, features, args, config))
     if defaulted and q.dtype in (torch.bfloat16, torch.float16):
-        decode = unsplit_decode_config(config, q.shape[-1], q.shape[1] * config.pack_gqa)
-        if decode is not config:
-            fn, config = None, decode
-    if fn is None:
-        fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
+        # a short packed tile that runs unsplit: 64 rows (config.unsplit_decode_config)
+        config = unsplit_decode_config(config, q.shape[-1], q.shape[1] * config.pack_gqa)
+    fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
     return _Plan(fn, 1, 0, uses_tile_queue(config, _work_tiles(q, features, args, config)))
 
 

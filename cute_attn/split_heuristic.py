@@ -37,16 +37,19 @@ The rule (pure Python, no device query: the caller passes num_sms):
      254.2 vs 357.5, 1013 vs 1388 us; batch 4 at 32K: 4 splits 138.5, 2 198.5, 1 352.6.
      Half the SMs cannot draw 4.8 TB/s.
 3. At most kv_blocks // MIN_BLOCKS_PER_SPLIT splits, so each keeps >= MIN_BLOCKS_PER_SPLIT
-   KV blocks (and never more splits than KV blocks), and at most max_splits.
+   KV blocks, except that a tile of at least SHORT_KEY_SPLITS x MIN_BLOCKS_PER_SHORT_SPLIT
+   blocks may take SHORT_KEY_SPLITS splits (2K keys: 8 splits of 2 blocks); never more
+   splits than KV blocks, and at most max_splits. Measured at tile_n 128 (head dims <=
+   128, contiguous caches) on an H200 only; 80-key blocks (head dim 256) and paged tiles
+   follow the same counts unmeasured.
 4. Then as few splits as give the same blocks per split: the forward slices
    ceil(kv_blocks / splits) blocks per split, so e.g. 65 blocks in 16 splits are 5 per
    split in 13 busy splits and 3 empty ones; 13 splits do the same work with fewer
    partials to write and combine.
 
-Constants to be checked on the device: see perf/NOTES.md. FILL_FRACTION,
-MIN_BLOCKS_PER_SPLIT and MAX_SPLITS are first guesses from the costs above, not
-measurements; sweep batch x seqlen_k x num_splits for decode shapes and record the best
-split per shape there before trusting them.
+Constants to be checked on the device: see perf/NOTES.md. FILL_FRACTION and MAX_SPLITS
+are first guesses from the costs above, not measurements; the short-split rule was
+measured at batch 1 on an H200 only.
 """
 
 # Tiles per SM at which the grid counts as full (step 1).
@@ -62,8 +65,15 @@ MEMORY_BOUND_FILL_FRACTION = 0.9
 ALL_SMS_FROM_GBS = 4000
 # KV blocks (of the forward's tile_n keys, 128 at head dims <= 128) a split keeps at
 # least: 4 blocks = 512 keys, a mainloop several times the length of the prologue and of
-# the partial write it adds (to be measured).
+# the partial write it adds. Up to SHORT_KEY_SPLITS splits may keep as few as
+# MIN_BLOCKS_PER_SHORT_SPLIT. Measured on an H200 (perf/NOTES.md, session 20; batch 1,
+# 64/8 heads, one query, us): 2K keys (16 blocks) 8 splits of 2 blocks 14.7-14.8 vs 4 of 4
+# 17.1-17.8; 4K (32 blocks) 8 of 4 16.9 vs 16 of 2 18.1; 8K 16 of 4 22.5 vs 32 of 2 29.4:
+# short splits pay where the tile would otherwise have few CTAs, not beyond 8 (each split
+# adds a partial the merge reads).
 MIN_BLOCKS_PER_SPLIT = 4
+MIN_BLOCKS_PER_SHORT_SPLIT = 2
+SHORT_KEY_SPLITS = 8
 # The most splits: one tile alone can use at most one wave (num_sms = 132 CTAs on an
 # H100), so 128 loses nothing on Hopper, and it bounds the fp32 partials (splits x rows x
 # headdim x 4 bytes) and the combine's loop over splits per row. FlashAttention 2 passes
@@ -97,7 +107,10 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks
         target = memory_bound_ctas(num_sms, hbm_gbs)
         if tiles >= MEMORY_BOUND_FILL_FRACTION * target:
             return 1
-    splits = min(target // tiles, kv_blocks // MIN_BLOCKS_PER_SPLIT, max_splits)
+    by_length = kv_blocks // MIN_BLOCKS_PER_SPLIT
+    if kv_blocks >= MIN_BLOCKS_PER_SHORT_SPLIT * SHORT_KEY_SPLITS:  # short splits where measured (2K keys up)
+        by_length = max(by_length, SHORT_KEY_SPLITS)
+    splits = min(target // tiles, by_length, max_splits)
     if splits <= 1:
         return 1
     blocks_per_split = -(-kv_blocks // splits)

@@ -39,7 +39,7 @@ def _assert_matches_reference(q, k, v, out, **kw):
 
 def test_two_threads_cold_cache_compile_once(monkeypatch):
     monkeypatch.setattr(launcher, "_cache", {})
-    monkeypatch.setattr(launcher, "_default_kernels", {})
+    monkeypatch.setattr(launcher, "_default_configs", {})
     forget_bound_launches(monkeypatch)
     compiles = []
     real_compile_fwd = launcher.compile_fwd

@@ -22,7 +22,7 @@ from cpu_standin import fake_cuda as _fake_cuda
 from cute_attn import kvcache_checks, split_heuristic, validation
 from cute_attn.kvcache_checks import PAGE_SIZES, check_kvcache_values, validate_kvcache_inputs
 from cute_attn.kvcache_reference import append_to_cache, kvcache_attention_ref
-from cute_attn.split_heuristic import MIN_BLOCKS_PER_SPLIT, choose_num_splits
+from cute_attn.split_heuristic import MIN_BLOCKS_PER_SHORT_SPLIT, MIN_BLOCKS_PER_SPLIT, SHORT_KEY_SPLITS, choose_num_splits
 
 TOL = 1e-5  # fp32 reference vs float64 on O(1) values of these small shapes
 HEAD_DIM = 8
@@ -690,6 +690,17 @@ def test_h200_decode_fills_every_sm():
 
 def test_short_keys_are_not_split():
     assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=MIN_BLOCKS_PER_SPLIT * 2 - 1) == 1
+
+
+def test_short_keys_take_up_to_eight_short_splits():
+    """2K keys (16 blocks) at batch 1 x 8 KV heads: 8 splits of 2 blocks, not 4 of 4; 4K
+    keys keep 8 splits of 4 (16 of 2 measured slower), 8K 16 of 4 (split_heuristic)."""
+    h200 = dict(num_sms=132, hbm_gbs=4800.0)
+    assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=16, **h200) == 8
+    assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=32, **h200) == 8
+    assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=64, **h200) == 16
+    # below 16 blocks (not measured) the 4-block rule stands
+    assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=8, **h200) == 2
     assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=0) == 1
     assert choose_num_splits(batch=0, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=64) == 1
 
@@ -707,14 +718,16 @@ def _grid():
 
 def test_split_invariants():
     """Over a grid of shapes: never more splits than KV blocks (or the cap), one wave at
-    most, every split non-empty with at least MIN_BLOCKS_PER_SPLIT blocks."""
+    most, every split non-empty with at least MIN_BLOCKS_PER_SPLIT blocks (a tile of at
+    least 16 blocks in up to SHORT_KEY_SPLITS splits: MIN_BLOCKS_PER_SHORT_SPLIT)."""
     for tiles, kv_blocks, splits in _grid():
         assert 1 <= splits <= max(kv_blocks, 1)
         assert splits <= split_heuristic.MAX_SPLITS
         if splits > 1:
             per_split = -(-kv_blocks // splits)  # the forward's slice (blocks/block_range.py)
             assert tiles * splits <= 132
-            assert per_split >= MIN_BLOCKS_PER_SPLIT
+            short = splits <= SHORT_KEY_SPLITS and kv_blocks >= MIN_BLOCKS_PER_SHORT_SPLIT * SHORT_KEY_SPLITS
+            assert per_split >= (MIN_BLOCKS_PER_SHORT_SPLIT if short else MIN_BLOCKS_PER_SPLIT)
             assert (splits - 1) * per_split < kv_blocks, "an empty split"
 
 

@@ -141,7 +141,7 @@ def test_launcher_and_warmup_take_the_tuned_config(table_dir, monkeypatch):
     assert tuning.default_fwd_config("bf16", 64, features) == fwd_config_for(64, features)
     # the launcher's default kernel lookup (its kernel compile stubbed out)
     monkeypatch.setattr(launcher, "get_fwd_kernel", lambda key: ("kernel", key))
-    monkeypatch.setattr(launcher, "_default_kernels", {})
+    monkeypatch.setattr(launcher, "_default_configs", {})
     q = torch.empty(1, 64, 4, 128, dtype=torch.bfloat16)
     (_, key), config = launcher._default_fwd_kernel(q, q, features)
     assert config == tuned and key.config == tuned
