@@ -157,7 +157,8 @@ class Dropout(Staged):
     @cute.jit
     def draw_pair_flags(self, acc: cute.Tensor, tScS: cute.Tensor, row_base: Int32, col_base: Int32):
         """The forward's keep flags for acc's elements (a P tile ((2, 2, V), M, N), queries
-        on rows), drawn ahead of their use (under the PV WGMMA in flight): for each
+        on rows), drawn ahead of their use (the call site sits before the PV WGMMA's wait;
+        the compiler may still sink the arithmetic below it, perf/NOTES.md): for each
         (mi, ni, block of 16 columns), the flag words of its two key parities e = 0, 1
         (key k0 + e), whose byte rh * 2 + kh decides element ((e, rh, 2 blk + kh), mi, ni).
         A 16-column block's column groups are j = 2 blk, 2 blk + 1 (8 apart: keys k0 and
@@ -176,16 +177,16 @@ class Dropout(Staged):
                     base = ((0, 0, 2 * blk0), mi, ni)
                     q0 = row_base + tScS[base][0]
                     k0 = col_base + tScS[base][1]
-                    flags = [self.keep_flags(w) for w in self._group_words(q0, k0)]
+                    words = self._group_words(q0, k0)
                     for b in cutlass.range_constexpr(step):
                         if cutlass.const_expr(paired):
-                            pairs.append((flags[2 * b], flags[2 * b + 1]))
+                            pairs.append((self.keep_flags(words[2 * b]), self.keep_flags(words[2 * b + 1])))
                         else:
                             picked = []
                             for e in cutlass.range_constexpr(2):
                                 kb = Uint32(k0 + e)
-                                picked.append(_pick(flags, ((kb >> Uint32(4)) & Uint32(1)) * Uint32(2)
-                                                    + (kb & Uint32(1))))
+                                word = _pick(words, ((kb >> Uint32(4)) & Uint32(1)) * Uint32(2) + (kb & Uint32(1)))
+                                picked.append(self.keep_flags(word))
                             pairs.append((picked[0], picked[1]))
         return pairs
 

@@ -836,7 +836,8 @@ class FlashFwdSm90:
             if cutlass.const_expr(masked):
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
-            # dropout's Philox words under the PV WGMMA still in flight
+            # dropout's Philox words drawn before the PV WGMMA's wait (the compiler may
+            # still move the arithmetic below it)
             drops = self.draw_drops(dropout, acc_S, ops.tScS, m_block, n_block)
             if cutlass.const_expr(p_write is not None):
                 self.scores_to_p(acc_S, p_write, dropout, drops)  # beside the PV WGMMA, which reads p_read
@@ -887,7 +888,7 @@ class FlashFwdSm90:
             fp8_operand.scores_to_fp8_operand_a(acc_S, tOrP)
         elif cutlass.const_expr(dropout is not None):
             p = cute.make_rmem_tensor_like(acc_S, tOrP.element_type)
-            p.store(acc_S.load().to(tOrP.element_type))
+            mma_sm90.acc_to_operand_a(acc_S, mma_sm90.acc_as_operand_a(p))  # per K block (its docstring)
             dropout.apply_to_pairs(p, drops)
             mma_sm90.acc_to_operand_a(p, tOrP)
         else:
