@@ -217,3 +217,42 @@ def test_varlen_sink_and_dropout_kernels_compile():
     features = dataclasses.replace(features, sink=False)  # run_bwd drops the sink: it is in lse
     _, main, _ = compile_bwd(BwdKey("bf16", 128, features, bwd_config_for(128, features), False), "--keep-ptx")
     assert "wgmma.mma_async" in main.__ptx__ and philox_multiplies(main.__ptx__) >= 20
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX prmt.b32 (default mode) on Python ints: byte i of the result is byte s & 7 of
+    the 8-byte (b, a), or that byte's sign replicated when s & 8 (s: selector nibble i)."""
+    pool = a | b << 32
+    out = 0
+    for i in range(4):
+        s = selector >> (4 * i) & 0xF
+        byte = pool >> (8 * (s & 7)) & 0xFF
+        out |= (0xFF if byte & 0x80 else 0) << (8 * i) if s & 8 else byte << (8 * i)
+    return out
+
+
+def test_keep_flags_and_pair_masks_decide_like_a_byte_compare():
+    """The forward's word-wise dropout (blocks/dropout.py keep_flags, apply_to_pairs),
+    its arithmetic on Python ints: bit 7 of each flag byte is (byte >= threshold) for
+    every threshold, and a pair's prmt mask is all ones in the half whose element is
+    kept (e = 0 from the first flag word, e = 1 from the second, byte rh * 2 + kh)."""
+    import random
+
+    rng = random.Random(0)
+    words = [rng.getrandbits(32) for _ in range(600)] + [0, 0xFFFFFFFF, 0x7F7F7F7F, 0x80808080, 0x00FF7F80]
+    for t in range(256):
+        low = (t & 0x7F) * 0x01010101
+        top_clear = (0 - (1 - (t >> 7))) & 0xFFFFFFFF  # all ones iff t < 128
+        flags = []
+        for w in words:
+            x = ((w | 0x80808080) - low) & 0xFFFFFFFF
+            f = (w & x) | ((w | x) & top_clear)
+            for i in range(4):
+                assert (f >> (8 * i + 7)) & 1 == ((w >> (8 * i) & 0xFF) >= t), (hex(w), t, i)
+            flags.append(f)
+        for f0, f1, w0, w1 in zip(flags[::2], flags[1::2], words[::2], words[1::2]):
+            for byte in range(4):
+                sel = (8 | byte) | (8 | byte) << 4 | (12 | byte) << 8 | (12 | byte) << 12
+                mask = _prmt(f0, f1, sel)
+                assert mask & 0xFFFF == (0xFFFF if (w0 >> (8 * byte) & 0xFF) >= t else 0)
+                assert mask >> 16 == (0xFFFF if (w1 >> (8 * byte) & 0xFF) >= t else 0)

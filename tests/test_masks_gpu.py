@@ -689,11 +689,13 @@ def _seed(a, b):
     return torch.tensor([a, b], dtype=torch.int32, device="cuda")
 
 
-def test_dropout_mask_read_back_from_the_kernel():
-    """V = identity (128 keys = head dim 128) makes out[q] the dropped P row itself: its
-    zeros are exactly the kernel's dropped pairs, equal to dropout_mask's, and the keep
-    rate is within a binomial bound of 1 - p."""
-    b, s, h, d, p = 2, 128, 4, 128, 0.3
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dropout_mask_read_back_from_the_kernel(d):
+    """V = identity (as many keys as the head dim) makes out[q] the dropped P row itself:
+    its zeros are exactly the kernel's dropped pairs, equal to dropout_mask's, and the
+    keep rate is within a binomial bound of 1 - p. Head dim 256 runs 80-key blocks, whose
+    Philox groups straddle blocks (the forward's unpaired word pick); 64, 192-row tiles."""
+    b, s, h, p = 2, d, 4, 0.3
     q, k, _ = _inputs(b, s, s, h, h, d, seed=11)
     v = torch.eye(s, device="cuda", dtype=torch.bfloat16)[None, :, None, :].expand(b, s, h, d).contiguous()
     seed = _seed(17, -5)

@@ -114,8 +114,8 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
 
 @cute.jit
 def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
-    """Convert an fp32 accumulator into the next WGMMA's 16-bit A fragment (dst), one K
-    block of 8 registers at a time. A whole-tile conversion vectorises to cvt.rn.bf16x2
+    """Convert an fp32 accumulator (or a 16-bit copy of one in its layout) into the next
+    WGMMA's 16-bit A fragment (dst), one K block of 8 registers at a time. A whole-tile conversion vectorises to cvt.rn.bf16x2
     only when the K-block count is a power of two: 144- and 176-key blocks (9 and 11 K
     blocks) got scalar cvts plus packing movs between the PV WGMMAs, which ptxas then
     serialised (C7519, ptxas -v)."""

@@ -685,7 +685,7 @@ class FlashBwdSm90:
             # 0, kept / (1 - p)), so the derivative folds into dP^T - D below as without
             # dropout; P^T takes the mask after dS^T = P^T * that (a second Philox pass)
             warpgroup.wait_group(0)
-            dropout.apply(acc_dP, tScS, n_block * self.tile_n, m_block * self.tile_m, keys_on_rows=True)
+            dropout.apply(acc_dP, tScS, n_block * self.tile_n, m_block * self.tile_m)
             acc_dP.store(acc_dP.load() * dropout.inv_keep)
         if cutlass.const_expr(self.features.softcap):
             softcap_scores(acc_S, softcap_pre)
@@ -704,7 +704,7 @@ class FlashBwdSm90:
         probs_from_lse(acc_S, lse2, scale_log2)
         if cutlass.const_expr(dropout is not None and not score_grad):
             # the forward's mask again, as a sign: P < 0 marks a dropped element
-            dropout.apply(acc_S, tScS, n_block * self.tile_n, m_block * self.tile_m, keys_on_rows=True, negate=True)
+            dropout.apply(acc_S, tScS, n_block * self.tile_n, m_block * self.tile_m, negate=True)
         # dS^T = P^T * (dP^T - D) (* the softcap's or score mod's derivative, folded in above)
         if cutlass.const_expr(dropout is not None and not score_grad):
             # dropout: dP^T reaches the kept P scaled by 1 / (1 - p), a dropped one not at
@@ -722,7 +722,7 @@ class FlashBwdSm90:
                     dS[r, c] = P[r, c] * dS[r, c]
             if cutlass.const_expr(dropout is not None):
                 # dV's P^T: the kept scaled by 1 / (1 - p), the dropped 0
-                dropout.apply(acc_S, tScS, n_block * self.tile_n, m_block * self.tile_m, keys_on_rows=True)
+                dropout.apply(acc_S, tScS, n_block * self.tile_n, m_block * self.tile_m)
                 acc_S.store(acc_S.load() * dropout.inv_keep)
         else:
             warpgroup.wait_group(0)

@@ -729,8 +729,8 @@ class FlashFwdSm90:
                 mods.apply_score(acc_S, ops.tScS, m_block, n_first)
             mask.apply(acc_S, ops.tScS, m_block, n_first)
             pending_scale.store(softmax.step(acc_S, is_first=True).load())
-            self.drop(dropout, acc_S, ops.tScS, m_block, n_first)
-            self.scores_to_p(acc_S, tOrP)
+            drops = self.draw_drops(dropout, acc_S, ops.tScS, m_block, n_first)
+            self.scores_to_p(acc_S, tOrP, dropout, drops)
             if cutlass.const_expr(not self.intra_wg_overlap):
                 kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
 
@@ -836,15 +836,17 @@ class FlashFwdSm90:
             if cutlass.const_expr(masked):
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
-            self.drop(dropout, acc_S, ops.tScS, m_block, n_block)
+            # dropout's Philox words drawn before the PV WGMMA's wait (the compiler may
+            # still move the arithmetic below it)
+            drops = self.draw_drops(dropout, acc_S, ops.tScS, m_block, n_block)
             if cutlass.const_expr(p_write is not None):
-                self.scores_to_p(acc_S, p_write)  # beside the PV WGMMA, which reads p_read
+                self.scores_to_p(acc_S, p_write, dropout, drops)  # beside the PV WGMMA, which reads p_read
                 warpgroup.wait_group(0)
                 pipes.v.consumer_release(v_state)
             else:
                 warpgroup.wait_group(0)
                 pipes.v.consumer_release(v_state)
-                self.scores_to_p(acc_S, ops.tOrP)
+                self.scores_to_p(acc_S, ops.tOrP, dropout, drops)
         else:
             pipes.k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
@@ -863,22 +865,32 @@ class FlashFwdSm90:
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             row_scale = softmax.step(acc_S, is_first=False)
             softmax.rescale(ops.acc_O, row_scale)
-            self.drop(dropout, acc_S, ops.tScS, m_block, n_block)
-            self.scores_to_p(acc_S, ops.tOrP)
+            drops = self.draw_drops(dropout, acc_S, ops.tScS, m_block, n_block)
+            self.scores_to_p(acc_S, ops.tOrP, dropout, drops)
             kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
         return kv_state
 
     @cute.jit
-    def drop(self, dropout, acc_S, tScS, m_block, n_block):
-        """Dropout on P (after the softmax step: the row sums are the undropped ones)."""
+    def draw_drops(self, dropout, acc_S, tScS, m_block, n_block):
+        """Dropout's keep flags for this block's P (blocks/dropout.py draw_pair_flags),
+        or None without dropout. Drawn after the softmax step (the row sums are the
+        undropped ones) and applied by scores_to_p."""
+        drops = None
         if cutlass.const_expr(dropout is not None):
-            dropout.apply(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n)
+            drops = dropout.draw_pair_flags(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n)
+        return drops
 
     @cute.jit
-    def scores_to_p(self, acc_S, tOrP):
-        """The softmax's P (fp32, in acc_S) into the PV WGMMA's A operand in registers."""
+    def scores_to_p(self, acc_S, tOrP, dropout=None, drops=None):
+        """The softmax's P (fp32, in acc_S) into the PV WGMMA's A operand in registers;
+        with dropout, its dropped elements zeroed in 16 bits (pairs of P per AND)."""
         if cutlass.const_expr(self.fp8):
             fp8_operand.scores_to_fp8_operand_a(acc_S, tOrP)
+        elif cutlass.const_expr(dropout is not None):
+            p = cute.make_rmem_tensor_like(acc_S, tOrP.element_type)
+            mma_sm90.acc_to_operand_a(acc_S, mma_sm90.acc_as_operand_a(p))  # per K block (its docstring)
+            dropout.apply_to_pairs(p, drops)
+            mma_sm90.acc_to_operand_a(p, tOrP)
         else:
             mma_sm90.acc_to_operand_a(acc_S, tOrP)
 
