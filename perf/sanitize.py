@@ -108,6 +108,9 @@ CASES = (
     Case("fp8-causal-gqa", dtype="fp8", nheads=4, nheads_kv=2, causal=True, backward=False),
     Case("fp8-hd256-window-softcap", dtype="fp8", head_dim=256, window_size=(64, 32), softcap=30.0,
          backward=False),
+    # FP8 with a learnable sink (the sink's exp folded into the fp8 forward's row sums)
+    Case("fp8-sink-causal-gqa", dtype="fp8", nheads=4, nheads_kv=2, seqlen_q=333, seqlen_k=517, causal=True,
+         backward=False, extra={"sink": True}),
     Case("fp8-varlen-causal", dtype="fp8", nheads=4, nheads_kv=2, causal=True, backward=False,
          lengths=((0, 40), (150, 200), (277, 129))),
     # mask / score mods (FlashFwdSm90Mods: block-mask lists, aux tensors read per element)
