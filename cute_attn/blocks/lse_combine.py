@@ -19,11 +19,18 @@ Layouts (the splits stacked on the batch mode: split s of batch entry b at s * b
     LSE         (batches, heads, seqlen_q)                        fp32
 Packed (varlen) batches are one entry (batches = 1) whose rows are the sequences' rows.
 
-How a CTA merges a tile (SplitMerge.merge_tile), in two phases:
+How a CTA merges a tile (SplitMerge.merge_tile):
+- Few rows (decode: a query's group of heads; rows x head_dim / 4 <= threads): a thread
+  per (row, 16-byte column chunk) loads SPLITS_IN_FLIGHT splits' LSEs and O chunks before
+  it uses any, folds them into a running max, sum and weighted O (the online softmax's
+  rescale), and divides once at the end. Each chunk thread of a row computes the row's
+  LSE itself (a few exp2s) instead of sharing it through shared memory: one L2 round trip
+  per SPLITS_IN_FLIGHT splits and no barrier. The merge ends the kernel, so its latency is
+  the call's (perf/NOTES.md, session 21: the two-phase merge below took ~2-3 us there).
+- Otherwise two phases:
   1. a thread per row: lse = log sum_s exp(lse_s) in one pass over the splits (a running
      max and a rescaled sum), into shared memory and the LSE output;
-  2. every thread takes (row, 16-byte column chunk) items, ITEMS_IN_FLIGHT at a time
-     (one, with a deeper unroll over the splits, when the tile has few rows):
+  2. every thread takes (row, chunk) items, ITEMS_IN_FLIGHT at a time:
      O = sum_s exp(lse_s - lse) O_s (the weights sum to 1, so no division).
 The partials were written moments ago by the tile's CTAs, so they come from L2 and the
 merge is latency-bound: phase 2 issues the loads of all its items for a split together
@@ -42,6 +49,7 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _FP32_CHUNK = 4  # fp32 elements per 16-byte load
 ITEMS_IN_FLIGHT = 8
+SPLITS_IN_FLIGHT = 16
 
 
 @cute.jit
@@ -87,6 +95,70 @@ class SplitMerge:
         """Rows [0, rows) of the tile into mO and mLSE (entry b of batches mO.shape[0]);
         sRowLse: max_rows fp32 of shared memory; sync(): a barrier of the num_threads."""
         batches = mO.shape[0]
+        num_items = rows * self.chunks_per_row
+        if num_items <= self.num_threads:
+            if tidx < num_items:
+                self._merge_one_chunk(mOpart, mLSEpart, mO, mLSE, num_splits, batches, b, row_coord, tidx)
+        else:
+            self._merge_in_two_phases(mOpart, mLSEpart, mO, mLSE, sRowLse, num_splits, batches, b, rows, num_items,
+                                      row_coord, tidx, sync)
+
+    @cute.jit
+    def _merge_one_chunk(self, mOpart, mLSEpart, mO, mLSE, num_splits, batches, b, row_coord, tidx):
+        """Item tidx = (row, 16-byte chunk) merged over every split, SPLITS_IN_FLIGHT
+        splits' loads issued before any is used (module docstring: few rows)."""
+        r = tidx // self.chunks_per_row
+        chunk = tidx % self.chunks_per_row
+        query, head = row_coord(r)
+        lse_s = cute.make_rmem_tensor((SPLITS_IN_FLIGHT,), Float32)
+        o_s = cute.make_rmem_tensor((SPLITS_IN_FLIGHT, _FP32_CHUNK), Float32)
+        acc = cute.make_rmem_tensor((_FP32_CHUNK,), Float32)
+        acc.fill(0.0)
+        run_max = -Float32.inf
+        run_sum = Float32(0.0)  # sum_s exp(lse_s - run_max)
+        for first in cutlass.range(0, num_splits, SPLITS_IN_FLIGHT, unroll=1):
+            for j in cutlass.range_constexpr(SPLITS_IN_FLIGHT):
+                lse_s[j] = -Float32.inf
+                o_s[j, None].fill(0.0)
+                if first + j < num_splits:
+                    part = (first + j) * batches + b
+                    lse_s[j] = mLSEpart[part, head, query]
+                    o_s[j, None].store(cute.zipped_divide(mOpart[part, query, head, None], (_FP32_CHUNK,))[
+                        None, chunk].load())
+            new_max = run_max
+            for j in cutlass.range_constexpr(SPLITS_IN_FLIGHT):
+                new_max = cute.arch.fmax(new_max, lse_s[j])
+            # all -inf so far: shift by 0, so that exp2(-inf - -inf) never makes a NaN
+            shift = new_max
+            if new_max == -Float32.inf:
+                shift = Float32(0.0)
+            rescale = cute.math.exp2((run_max - shift) * _LOG2E, fastmath=True)
+            run_sum = run_sum * rescale
+            for c in cutlass.range_constexpr(_FP32_CHUNK):
+                acc[c] = acc[c] * rescale
+            for j in cutlass.range_constexpr(SPLITS_IN_FLIGHT):
+                w = cute.math.exp2((lse_s[j] - shift) * _LOG2E, fastmath=True)
+                run_sum = run_sum + w
+                for c in cutlass.range_constexpr(_FP32_CHUNK):
+                    acc[c] = acc[c] + w * o_s[j, c]
+            run_max = new_max
+        # a row no split saw: run_sum 0, O = 0 and lse = -inf
+        lse = -Float32.inf
+        inv_sum = Float32(0.0)
+        if run_sum > 0.0:
+            lse = run_max + cute.math.log2(run_sum, fastmath=True) * _LN2
+            inv_sum = cute.arch.rcp_approx(run_sum)
+        for c in cutlass.range_constexpr(_FP32_CHUNK):
+            acc[c] = acc[c] * inv_sum
+        cute.zipped_divide(mO[b, query, head, None], (_FP32_CHUNK,))[None, chunk].store(acc.load().to(self.out_dtype))
+        if chunk == 0:
+            mLSE[b, head, query] = lse
+
+    @cute.jit
+    def _merge_in_two_phases(self, mOpart, mLSEpart, mO, mLSE, sRowLse, num_splits, batches, b, rows, num_items,
+                             row_coord, tidx, sync):
+        """Many rows: the row LSEs first (a thread per row, through sRowLse), then the
+        (row, chunk) items ITEMS_IN_FLIGHT at a time (module docstring)."""
         for i in cutlass.range_constexpr(-(-self.max_rows // self.num_threads)):
             r = tidx + i * self.num_threads
             if r < rows:
@@ -95,19 +167,10 @@ class SplitMerge:
                 sRowLse[r] = lse
                 mLSE[b, head, query] = lse
         sync()
-        num_items = rows * self.chunks_per_row
-        if num_items <= self.num_threads:
-            # few rows (decode: a query's group of heads): an item per thread at most, and
-            # the split loop unrolled deeper instead, so the merge that ends the kernel
-            # takes a couple of load latencies
-            if tidx < num_items:
-                self._merge_items(mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items, row_coord,
-                                  tidx, 0, items=1, unroll=8)
-        else:
-            for g in cutlass.range_constexpr(self.groups):
-                if g * ITEMS_IN_FLIGHT * self.num_threads < num_items:
-                    self._merge_items(mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items,
-                                      row_coord, tidx, g, items=ITEMS_IN_FLIGHT, unroll=2)
+        for g in cutlass.range_constexpr(self.groups):
+            if g * ITEMS_IN_FLIGHT * self.num_threads < num_items:
+                self._merge_items(mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items,
+                                  row_coord, tidx, g, items=ITEMS_IN_FLIGHT, unroll=2)
 
     @cute.jit
     def _merge_items(self, mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items, row_coord, tidx, g,
