@@ -444,6 +444,11 @@ def document(doc_ids, causal=False):
     doc_ids[b, i]), or (total,) for a packed varlen batch (indexed by the global token
     index). Ids need not be contiguous or sorted (a token with an id of its own is a
     one-token document that sees only itself). Self-attention.
+
+    The kernels read the ids as given, at each call (so ids rewritten in place are seen):
+    int32 ids are the fast choice. int64 ids, torch's default, take two registers per key
+    column of a tile: 1-8% slower forward and backward on an H100 (perf/NOTES.md, session
+    21). `doc_ids.to(torch.int32)` is exact while the ids fit in 32 bits.
     """
     ids = torch.as_tensor(doc_ids)
     if ids.dim() not in (1, 2) or ids.is_floating_point() or ids.dtype == torch.bool:
