@@ -181,12 +181,16 @@ def test_cu_seqlens_values_are_checked_on_the_gpu():
 
 
 def test_new_window_and_softcap_values_do_not_recompile():
-    """The window's sides and the cap are run-time arguments of the local+softcap kernel."""
-    first = Case(h=8, h_kv=2, window=(64, 64), softcap=30.0, sq=129, sk=1000)
-    second = Case(h=4, h_kv=4, window=(3, 200), softcap=5.0, b=1, sq=1000, sk=17)
-    _run_and_check(first)
+    """The window's sides and the cap are run-time arguments of the local+softcap kernel.
+    Two shapes whose plans differ (a small grid takes the split-KV kernel, a larger one
+    the unsplit one), each seen with one window and cap first, then with others: no new
+    kernel for the new values."""
+    shapes = (dict(h=8, h_kv=2, sq=129, sk=1000), dict(h=4, h_kv=4, b=1, sq=1000, sk=17))
+    for shape in shapes:
+        _run_and_check(Case(**shape, window=(64, 64), softcap=30.0))
     keys = _compiled_keys()
-    _run_and_check(second)
+    for shape in shapes:
+        _run_and_check(Case(**shape, window=(3, 200), softcap=5.0))
     new = _compiled_keys() - keys
     assert not new, f"new window / softcap values compiled again: {new}"
 
