@@ -533,11 +533,18 @@ def alibi(slopes):
         raise ValueError(f"slopes must be a 1-D (heads,) float32 tensor, got {s.dtype} {tuple(s.shape)}")
 
     def alibi(score, b, h, q_idx, kv_idx, seq):
+        if isinstance(score, Dual):
+            # the backward's trace: there the distance converted per element measured 3%
+            # faster at head dim 64 than the per-column form below (H100, twice; level at
+            # 128; perf/NOTES.md, session 21). Both are slope x the exact distance rounded
+            # once, so the backward recomputes the forward's scores bit for bit.
+            distance = (kv_idx - seq.offset_k) - (q_idx - seq.offset_q) - (seq.seqlen_k - seq.seqlen_q)
+            return score + seq.aux[0][h] * as_float(distance)
         # the distance as a difference of two floats: a thread's rows share its columns'
         # key positions, so the int -> float conversions run per column and per row, not
-        # per element; the difference of integers below 2^24 is exact, so the bias is
-        # slope * distance rounded once (slope * key - slope * query would cancel: 6e-2
-        # off near the diagonal at 1M positions)
+        # per element (forward +3-7%); the difference of integers below 2^24 is exact, so
+        # the bias is slope * distance rounded once (slope * key - slope * query would
+        # cancel: 6e-2 off near the diagonal at 1M positions)
         key = as_float(kv_idx - seq.offset_k)
         query = as_float((q_idx - seq.offset_q) + (seq.seqlen_k - seq.seqlen_q))
         return score + seq.aux[0][h] * (key - query)

@@ -357,6 +357,24 @@ def test_alibi_bias_stays_exact_far_into_a_long_sequence():
         assert err.max().item() <= 2 ** -23, (h, err.max().item())
 
 
+def test_alibi_backward_trace_recomputes_the_forward_bias_bit_for_bit():
+    """The backward traces alibi with a Dual score and takes the per-element conversion
+    there: the same value bit for bit as the forward's per-column form (both are slope x
+    the exact distance, rounded once), and derivative 1."""
+    slopes = torch.tensor([0.3, 2 ** -0.5, 0.0123])
+    alibi = masks.alibi(slopes)
+    n = 1 << 20
+    q = torch.tensor([n - 1, 5, 123_457, 900])[:, None]
+    kv = torch.tensor([n - 4, 0, 123_457, 17, 2000])[None, :]
+    for seqlen_q, seqlen_k in ((n, n), (1000, n)):
+        seq = masks.SeqInfo(alibi.aux, seqlen_q, seqlen_k, 0, 0)
+        for h in range(len(slopes)):
+            score = torch.randn(q.shape[0], kv.shape[1])
+            forward = alibi.fn(score, 0, h, q, kv, seq)
+            dual = alibi.fn(masks.Dual(score), 0, h, q, kv, seq)
+            assert torch.equal(dual.value, forward) and dual.grad == 1.0
+
+
 # ----------------------------------------------------------------------------------------
 # Block masks and tile lists
 # ----------------------------------------------------------------------------------------
