@@ -13,6 +13,15 @@ do_bench (median) in interleaved rounds in this process.
 
     python3 perf/bench_decode.py --grid --out $OUT   # the cuDNN decode sweep's grid
     python3 perf/bench_decode.py --quick --host-overhead --out $OUT   # + a decode step's host time
+    python3 perf/bench_decode.py --quick --graph --out $OUT   # + each call captured in a CUDA graph
+
+--graph adds a second timing per implementation: GRAPH_CALLS calls captured in one CUDA
+graph and replayed (median of GRAPH_REPLAYS replays, per call), as a serving engine runs
+its decode steps. No flush kernel is in that window (do_bench's L2 flush is a 256-MB
+memset whose dirty lines the timed call's reads must write back, and its window holds the
+launch); instead the captured calls cycle through copies of K and V, enough that a call
+finds no recent call's keys in L2 (rotating_copies). session 21's probe: b1 x 32K 64.5 us
+in do_bench against 55.2 in a graph (perf/NOTES.md).
 
 --grid runs the grid of NVIDIA's cuDNN 9.27 decode sweep (batch 1/8/32/128 x keys
 2K/8K/32K/128K x 1/8/16 queries, 64/8 heads, hd 128; the points that fit in memory) with
@@ -55,6 +64,48 @@ GRID_IMPLS = ("cute_attn_kvcache", "cute_attn_paged16", "cute_attn_paged64", "sd
 # quotes NVIDIA's published sweep (cudnn-frontend benchmark/attention_inference/results/
 # decode_sweep/h200); keys None: the issue gives batch 128's figure without a key count
 CUDNN_H200_PUBLISHED = {(1, 1, 32768): 3250, (1, 1, 131072): 4100, (128, 1, None): 4500}
+
+
+GRAPH_CALLS = 20
+GRAPH_REPLAYS = 5
+
+
+def rotating_copies(kv_bytes: int, l2_bytes: int, calls: int = GRAPH_CALLS) -> int:
+    """How many copies of K and V a graph of `calls` calls cycles through so that a call's
+    keys have left L2 since the last call that read them: the other copies read between
+    two reads of one copy hold at least twice the L2 (one copy when K and V alone do: the
+    call's own later reads evict its earlier ones); at most one copy per call."""
+    if kv_bytes <= 0 or kv_bytes >= 2 * l2_bytes:
+        return 1
+    return min(calls, 1 + -(-2 * l2_bytes // kv_bytes))
+
+
+def graph_us(fn, q, kvs, calls: int = GRAPH_CALLS, replays: int = GRAPH_REPLAYS) -> float:
+    """Microseconds per call of `calls` calls of fn captured in one CUDA graph, call i on
+    K/V copy i mod len(kvs) (rotating_copies), replayed `replays` times (median)."""
+    import statistics
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: compiles, plans, workspaces
+        for k, v in kvs:
+            fn(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(q, *kvs[i % len(kvs)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def copy_bandwidth_gbs() -> float:
@@ -184,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="the issue's four shapes only")
     p.add_argument("--grid", action="store_true", help="the cuDNN decode sweep's grid (paged, kvcache, SDPA)")
+    p.add_argument("--graph", action="store_true",
+                   help="also time each implementation in a CUDA graph of GRAPH_CALLS calls (graph_us)")
     p.add_argument("--host-overhead", action="store_true",
                    help="first measure the host time per call of a tiny decode step (HOST_STEP)")
     args = p.parse_args(argv)
@@ -226,12 +279,29 @@ def main(argv=None) -> int:
         host_us = harness.host_us_per_call(lambda: fns[host_name](q, k, v), 300, 20)
         rec = {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_kv": hkv, "head_dim": d,
                "causal": True, "bytes": nbytes, "cute_attn_splits": splits, "cute_attn_host_us": host_us, "skipped": errors, "impls": {}}
+        kvs = [(k, v)]
+        if args.graph:
+            copies = rotating_copies(kv_bytes, torch.cuda.get_device_properties(0).L2_cache_size)
+            if copies > 1 and (copies - 1) * kv_bytes * 1.5 < torch.cuda.mem_get_info()[0]:
+                kvs += [(k.clone(), v.clone()) for _ in range(copies - 1)]
         cells = []
         for name, ms in ms_rounds.items():
             med = harness.median_ms(ms)
             gbs = nbytes / (med * 1e-3) / 1e9
             rec["impls"][name] = {"us": med * 1e3, "ms_rounds": ms, "gbs": gbs, "pct_copy_bw": 100 * gbs / copy_gbs}
-            cells.append(f"{name} {med * 1e3:8.1f} us {gbs:6.0f} GB/s ({100 * gbs / copy_gbs:3.0f}%)")
+            cell = f"{name} {med * 1e3:8.1f} us {gbs:6.0f} GB/s ({100 * gbs / copy_gbs:3.0f}%)"
+            if args.graph:
+                try:
+                    g_us = graph_us(fns[name], q, kvs)
+                    g_gbs = nbytes / (g_us * 1e-6) / 1e9
+                    rec["impls"][name].update(graph_us=g_us, graph_gbs=g_gbs, graph_pct_copy_bw=100 * g_gbs / copy_gbs,
+                                              graph_kv_copies=len(kvs))
+                    cell += f" [graph {g_us:.1f} us {100 * g_gbs / copy_gbs:3.0f}%]"
+                except Exception as exc:  # noqa: BLE001
+                    rec["impls"][name]["graph_error"] = harness.reason(exc)
+                    cell += " [graph: failed]"
+            cells.append(cell)
+        kvs = None
         harness.log(f"b{b} q{sq} k{sk} h{h}/{hkv} d{d} splits {splits} host {host_us:.1f} us: " + " | ".join(cells)
                     + (f"  skipped {errors}" if errors else ""))
         published = CUDNN_H200_PUBLISHED.get((b, sq, sk), CUDNN_H200_PUBLISHED.get((b, sq, None)))
@@ -242,7 +312,9 @@ def main(argv=None) -> int:
         _tables.clear()
         _lengths.clear()
     doc = {"device": device, "copy_bandwidth_gbs": copy_gbs, "torch": torch.__version__,
-           "method": f"do_bench median, {args.rounds} interleaved rounds, bf16, random normal inputs",
+           "method": f"do_bench median, {args.rounds} interleaved rounds, bf16, random normal inputs"
+                     + (f"; graph_us: {GRAPH_CALLS} calls in one CUDA graph over rotating K/V copies, median of "
+                        f"{GRAPH_REPLAYS} replays" if args.graph else ""),
            "records": records}
     if host is not None:
         doc["host"] = host

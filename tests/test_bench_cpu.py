@@ -606,3 +606,20 @@ def test_plot_is_small(bench, harness, tmp_path):
                        palette=bench.IMPLS)
     assert path.read_bytes()[:4] == b"\x89PNG"
     assert path.stat().st_size < 100_000
+
+
+def test_decode_graph_timing_rotates_enough_kv_copies():
+    """perf/bench_decode.py --graph: the captured calls cycle through enough K/V copies that
+    2 x L2 of other keys pass between two reads of one copy; one copy when K/V alone
+    are that large, never more copies than calls."""
+    spec = importlib.util.spec_from_file_location("perf_bench_decode_under_test", PERF / "bench_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    l2 = 50 << 20
+    assert module.rotating_copies(8 << 20, l2) == 14  # b1 x 2K, 64/8 heads: 8 MiB of K/V
+    assert module.rotating_copies(128 << 20, l2) == 1
+    assert module.rotating_copies(1 << 10, l2) == module.GRAPH_CALLS
+    assert module.rotating_copies(0, l2) == 1
+    for kv in (1 << 20, 3 << 20, 33 << 20, 100 << 20):
+        n = module.rotating_copies(kv, l2)
+        assert (n - 1) * kv >= 2 * l2 or n == module.GRAPH_CALLS or (n == 1 and kv >= 2 * l2)
