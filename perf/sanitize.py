@@ -117,6 +117,8 @@ CASES = (
     Case("mods-bd3lm-gqa", seqlen_q=302, seqlen_k=302, nheads=4, nheads_kv=2, backward=False,
          extra={"mods": "bd3lm"}),
     Case("mods-document-alibi-hd64", head_dim=64, seqlen_q=333, backward=False, extra={"mods": "document_alibi"}),
+    # and its backward (ALiBi traced with a Dual score: the per-element body)
+    Case("mods-document-alibi-bwd-hd64", head_dim=64, seqlen_q=333, extra={"mods": "document_alibi"}),
     Case("mods-empty-rows-hd256", head_dim=256, seqlen_q=333, backward=False, extra={"mods": "empty_rows"}),
     # attention sinks and dropout (the mods' entry points, forward and backward)
     Case("sink-dropout-causal-gqa", nheads=4, nheads_kv=2, causal=True, extra={"sink": True, "dropout": 0.2}),
