@@ -379,11 +379,6 @@ def _default_fwd_config(q, k, features: AttnFeatures, page_size: int = 0) -> Fwd
     return config
 
 
-def _default_fwd_kernel(q, k, features: AttnFeatures, page_size: int = 0):
-    """(kernel, config) of _default_fwd_config."""
-    config = _default_fwd_config(q, k, features, page_size)
-    return get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config)), config
-
 
 def _batched(features: AttnFeatures, *tensors):
     """The kernels see a packed (varlen) batch as one (1, total, heads, ...) sequence."""

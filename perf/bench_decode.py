@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         features, run_args = __import__("cute_attn").api._features_and_args(True, (-1, -1), 0.0, d ** -0.5)
-        splits = launcher.choose_splits(q, k, features, run_args, launcher._default_fwd_kernel(q, k, features)[1])
+        splits = launcher.choose_splits(q, k, features, run_args, launcher._default_fwd_config(q, k, features))
         timers, errors = {}, {}
         for name, fn in fns.items():
             try:

@@ -86,12 +86,12 @@ def test_automatic_choice_splits_small_grids_only():
     q, k, v = (torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16)
                for s, h in ((1, 32), (32768, 8), (32768, 8)))
     features, args = cute_attn.api._features_and_args(True, (-1, -1), 0.0, 128 ** -0.5)
-    _, config = launcher._default_fwd_kernel(q, k, features)
+    config = launcher._default_fwd_config(q, k, features)
     decode = launcher.choose_splits(q, k, features, args, config)
     assert decode >= 8, decode
     big_q = torch.randn(4, 4096, 32, 128, device="cuda", dtype=torch.bfloat16)
     big_kv = torch.randn(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
-    assert launcher.choose_splits(big_q, big_kv, features, args, launcher._default_fwd_kernel(big_q, big_kv, features)[1]) == 1
+    assert launcher.choose_splits(big_q, big_kv, features, args, launcher._default_fwd_config(big_q, big_kv, features)) == 1
     # and the decode call that takes the split path is right
     case = Case(b=1, sq=1, sk=32768, h=32, h_kv=8, causal=True)
     q, k, v, _, cu = make_inputs(case, seed=11)

@@ -128,6 +128,7 @@ def test_launcher_and_warmup_take_the_tuned_config(table_dir, monkeypatch):
     import torch
 
     from cute_attn import launcher, warmup
+    from cute_attn.config import RunArgs
 
     features = AttnFeatures(mask="causal")
     tuned = dataclasses.replace(fwd_config_for(128, features), num_stages=3)
@@ -143,7 +144,8 @@ def test_launcher_and_warmup_take_the_tuned_config(table_dir, monkeypatch):
     monkeypatch.setattr(launcher, "get_fwd_kernel", lambda key: ("kernel", key))
     monkeypatch.setattr(launcher, "_default_configs", {})
     q = torch.empty(1, 64, 4, 128, dtype=torch.bfloat16)
-    (_, key), config = launcher._default_fwd_kernel(q, q, features)
+    config = launcher._default_fwd_config(q, q, features)
+    _, key = launcher._make_plan(q, q, features, RunArgs(softmax_scale=128 ** -0.5), None, 1).fn
     assert config == tuned and key.config == tuned
     # warmup builds the same key
     jobs = warmup.plan(("bf16",), (128,), ("causal",), varlen=(False,), backward=False)

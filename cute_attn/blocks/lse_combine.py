@@ -170,14 +170,15 @@ class SplitMerge:
         for g in cutlass.range_constexpr(self.groups):
             if g * ITEMS_IN_FLIGHT * self.num_threads < num_items:
                 self._merge_items(mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items,
-                                  row_coord, tidx, g, items=ITEMS_IN_FLIGHT, unroll=2)
+                                  row_coord, tidx, g)
 
     @cute.jit
-    def _merge_items(self, mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items, row_coord, tidx, g,
-                     items: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    def _merge_items(self, mOpart, mLSEpart, mO, sRowLse, num_splits, batches, b, num_items, row_coord, tidx, g):
+        # ITEMS_IN_FLIGHT items per thread, the split loop unrolled by 2.
         # item i of group g: (row, chunk) of index (g * items + i) * threads + tidx, so a
         # warp's lanes read consecutive 16-byte chunks of a row. Items past the tile read
         # row 0's (valid) addresses and store nothing.
+        items = ITEMS_IN_FLIGHT
         queries = cute.make_rmem_tensor((items,), Int32)
         heads = cute.make_rmem_tensor((items,), Int32)
         chunks = cute.make_rmem_tensor((items,), Int32)
@@ -196,7 +197,7 @@ class SplitMerge:
             if lse == -Float32.inf:
                 lse = Float32(0.0)
             shifts[i] = lse
-        for s in cutlass.range(num_splits, unroll=unroll):
+        for s in cutlass.range(num_splits, unroll=2):
             part = s * batches + b
             for i in cutlass.range_constexpr(items):
                 w = cute.math.exp2((mLSEpart[part, heads[i], queries[i]] - shifts[i]) * _LOG2E, fastmath=True)
