@@ -277,6 +277,10 @@ class FwdConfig(_WarpSpecialized):
     # the cu_seqlens_q slot, which a dense batch does not read (launcher._tile_queue);
     # each launch leaves it zero.
     tile_queue: bool = False
+    # A mask mod's PARTIAL tiles (intra_wg_overlap): the mod evaluated into one bit per
+    # score while the QK^T WGMMA runs (blocks/mods.ModTile.visible_bits), the bits applied
+    # after its wait; off: the mod evaluated after the wait, on the softmax's path.
+    mask_before_scores: bool = False
 
     @property
     def kv_box_rows(self) -> int:
@@ -379,7 +383,7 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
       no mask, round robin: head dim 64 1.070 / 1.006 / 1.011, 128 1.038 / 0.986 / 0.989
       causal, tile queue:   head dim 64 1.095 / 1.017 / 0.996, 128 1.076 / 1.022 / 1.007
       (causal by round robin: 0.63-0.95, its CTAs drew unequal work)
-      mask mods, tile queue (perf/ab_mods_persistent.py): BD3LM L 1K 1.040-1.072, L 4K
+      mask mods, tile queue (perf/ab_mods_configs.py): BD3LM L 1K 1.040-1.072, L 4K
       0.985-1.011; 16 documents in 16K 1.014
     Short tiles gain: a tile's epilogue overlaps the next one's first loads; long ones
     are level. So unmasked, causal and mask/score-mod dense batches take it (no window,
@@ -444,7 +448,12 @@ def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
     # a sink alone keeps the dense tiles: it only adds a term to each row's sum at the end
     # (head dim 64 causal: 128-row tiles cost the sink 9% over the dense kernel's 192, H100)
     if features.has_mods:
-        return mod_fwd_config_for(head_dim)
+        # a mask mod reading per-token aux tensors (documents) evaluated before the scores:
+        # documents 16 in 16K causal hd 128 1.042x / 1.049x in two H100 runs; BD3LM (index
+        # arithmetic only) 0.98-1.02x, prefix-LM 0.98x, so the others keep it off
+        # (perf/NOTES.md, session 22)
+        early = features.mask_mod is not None and features.mask_mod.token_aux
+        return dataclasses.replace(mod_fwd_config_for(head_dim), mask_before_scores=early)
     if head_dim <= 64:
         if features.local:
             # three consumer warpgroups have 160 registers each: the window's two-sided

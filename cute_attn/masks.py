@@ -181,9 +181,14 @@ class ModSpec:
     it takes seq, and its key (code, captured constants, the aux tensors' dtypes and
     ranks). Equal keys are the same kernel."""
 
-    def __init__(self, kind: str, fn: Callable, takes_seq: bool, name: str, key: tuple, aux_signature: tuple):
+    def __init__(self, kind: str, fn: Callable, takes_seq: bool, name: str, key: tuple, aux_signature: tuple,
+                 token_aux: bool = False):
         self.kind, self.fn, self.takes_seq, self.name, self.key = kind, fn, takes_seq, name, key
         self.aux_signature = aux_signature  # ((torch dtype, ndim), ...) of the aux tensors
+        # an aux tensor indexed by token position (aux_extents "tokens", e.g. document ids):
+        # a load per key column of each tile, which the forward issues before its scores
+        # exist (config.FwdConfig.mask_before_scores). Not in the key: a config choice.
+        self.token_aux = token_aux
         # names the kernel in compile_cache's on-disk key (which hashes the key's repr)
         self.digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         self._hash = hash(key)  # the key holds bytecode: hash it once, not per lookup
@@ -249,7 +254,8 @@ class Modifier:
         body = _function_identity(fn) if isinstance(fn, types.FunctionType) else (type(fn).__qualname__,)
         aux_signature = tuple((t.dtype, t.dim()) for t in self.aux)
         key = (self.kind, self.name, body, aux_signature)
-        self.spec = ModSpec(self.kind, fn, self.takes_seq, self.name, key, aux_signature)
+        token_aux = any("tokens" in extents for extents in self.aux_extents if extents)
+        self.spec = ModSpec(self.kind, fn, self.takes_seq, self.name, key, aux_signature, token_aux)
         if self.spec.digest not in _BY_DIGEST:
             template = copy.copy(self)
             template.aux = ()

@@ -278,6 +278,35 @@ def test_mod_kernels_compile_per_mod_not_per_value():
         assert "wgmma.mma_async" in ptx and "FlashFwdSm90Mods" in ptx
 
 
+def test_masks_reading_token_ids_are_evaluated_before_the_scores():
+    """config._fwd_tile_config's mask placement (FwdConfig.mask_before_scores): on for a
+    mask mod reading a per-token aux tensor (documents, alone or combined), off for index
+    arithmetic (BD3LM) and per-entry aux (prefix-LM); the documents kernel compiles with
+    its verdicts packed into bits (sm_90a, CPU)."""
+    from cute_attn.config import AttnFeatures, fwd_config_for
+    from cute_attn.launcher import FwdKey, compile_fwd
+
+    ids = torch.zeros(2, 64, dtype=torch.int32)
+    early = {
+        "document": masks.document(ids),
+        "document packed": masks.document(ids.view(-1), causal=True),
+        "and(causal, document)": masks.and_masks(masks.causal(), masks.document(ids)),
+    }
+    late = {
+        "block_diffusion": masks.block_diffusion(16),
+        "prefix_lm": masks.prefix_lm(torch.tensor([3, 5], dtype=torch.int32)),
+        "causal": masks.causal(),
+    }
+    for name, mod in {**early, **late}.items():
+        config = fwd_config_for(128, AttnFeatures(mask_mod=mod.spec))
+        assert config.mask_before_scores == (name in early), name
+    # a score mod alone has no mask to place
+    assert not fwd_config_for(128, AttnFeatures(score_mod=masks.alibi([1.0]).spec)).mask_before_scores
+    features = AttnFeatures(mask_mod=early["document"].spec)
+    ptx = compile_fwd(FwdKey("bf16", 128, features, fwd_config_for(128, features)), "--keep-ptx").__ptx__
+    assert "wgmma.mma_async" in ptx and "FlashFwdSm90Mods" in ptx
+
+
 def test_sink_kernels_compile():
     """A sink alone (the dense mask kinds through the mods' entry point) and a sink with a
     mask mod compile on the CPU (sm_90a)."""

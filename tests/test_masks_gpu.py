@@ -143,6 +143,34 @@ def test_mask_mods_on_a_persistent_grid(name, d, h, h_kv, monkeypatch):
         _check(q, k, v, out, lse, mask_mod=mod)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("d,h,h_kv", [(128, 4, 2), (64, 2, 2)])
+def test_mask_mods_with_the_other_mask_placement(name, d, h, h_kv, monkeypatch):
+    """Every mask mod with FwdConfig.mask_before_scores flipped from the package's choice
+    (config._fwd_tile_config: on for documents only), forced through the grid rule that
+    launcher.run_fwd_mods applies last: the verdicts packed into bits before the scores
+    exist, or evaluated after them, give the reference's answer either way."""
+    import dataclasses
+
+    from cute_attn import launcher
+
+    rule = launcher.with_persistent_grid
+    flipped = []
+
+    def flip(config, head_dim, features, num_sms):
+        config = rule(config, head_dim, features, num_sms)
+        flipped.append(not config.mask_before_scores)
+        return dataclasses.replace(config, mask_before_scores=flipped[-1])
+
+    monkeypatch.setattr(launcher, "with_persistent_grid", flip)
+    make, b, sq, sk = CASES[name]
+    mod = make()
+    q, k, v = _inputs(b, sq, sk, h, h_kv, d, seed=hash(name) % 1000 + 1)
+    out, lse = _run(q, k, v, mask_mod=mod)
+    assert flipped == [not name.startswith("document")], "the rule's choice for this mask changed"
+    _check(q, k, v, out, lse, mask_mod=mod)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_alibi_score_mod_with_causal_mask(dtype):
     b, s, h, d = 2, 731, 4, 128

@@ -107,6 +107,37 @@ class ModTile(Staged):
                 visible = self.mask_mod(self.batch, self.head, q, kv, seq=seq) & (key_col < keys_left)
                 S[r, c] = S[r, c] if visible else -Float32.inf
 
+    @cute.jit
+    def visible_bits(self, tScS: cute.Tensor, m_block: Int32, n_block: Int32):
+        """apply's verdicts packed one bit per element into Int32 words (element i of the
+        row-major (row, col) walk in bit i % 32 of word i // 32), for a mask evaluated
+        before the scores exist: only the indices and the aux tensors feed it, so the
+        forward runs it while its warpgroup waits for K and its WGMMA turn, and its integer
+        work and aux loads leave the softmax's path (FwdConfig.mask_before_scores)."""
+        coords = acc_as_rows_cols(tScS)
+        rows, cols = cute.size(coords.shape[0]), cute.size(coords.shape[1])
+        words = cute.make_rmem_tensor(((rows * cols + 31) // 32,), Int32)
+        words.fill(0)
+        seq = self._seq(self.mask_mod)
+        keys_left = self.seqlen.seqlen_k - n_block * self.tile_n
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cols):
+                i = r * cols + c
+                q, kv = self._indices(coords, r, c, m_block, n_block, False)
+                visible = self.mask_mod(self.batch, self.head, q, kv, seq=seq) & (coords[r, c][1] < keys_left)
+                words[i // 32] = words[i // 32] | (Int32(1 << (i % 32)) if visible else Int32(0))
+        return words
+
+    @cute.jit
+    def apply_bits(self, acc_S: cute.Tensor, words: cute.Tensor):
+        """-inf where visible_bits left a 0."""
+        S = acc_as_rows_cols(acc_S)
+        cols = cute.size(S.shape[1])
+        for r in cutlass.range_constexpr(cute.size(S.shape[0])):
+            for c in cutlass.range_constexpr(cols):
+                i = r * cols + c
+                S[r, c] = S[r, c] if (words[i // 32] & Int32(1 << (i % 32))) != 0 else -Float32.inf
+
 
 class BlockList(Staged):
     """The tiles one tile visits, from a block mask (block_mask.BlockMask): its PARTIAL

@@ -214,6 +214,8 @@ class FlashFwdSm90:
         self.p_double_buffer = config.p_double_buffer
         assert not self.p_double_buffer or (self.fp8 and self.intra_wg_overlap)
         self.kv_box_rows = config.kv_box_rows
+        # only a mask mod's ModTile packs its verdicts into bits
+        self.mask_before_scores = config.mask_before_scores and features.mask_mod is not None
         assert self.page_size == 0 or features.kv_lengths, "a paged cache needs kv_lengths"
         assert not self.fp8 or (self.page_size == 0 and not self.split_kv and self.tile_n % 32 == 0)
         assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
@@ -811,6 +813,12 @@ class FlashFwdSm90:
             # runs while the PV WGMMA still executes.
             v_state = kv_state.clone()
             kv_state.advance()
+            # a mask mod's verdicts, before the K wait and the turn (mask_before_scores):
+            # evaluated there, not under the QK^T WGMMA, they spill nothing (ptxas)
+            early_mask = masked and self.mask_before_scores
+            visible = None
+            if cutlass.const_expr(early_mask):
+                visible = mask.visible_bits(ops.tScS, m_block, n_block)
             pipes.k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
             mma_sm90.gemm(
@@ -833,7 +841,9 @@ class FlashFwdSm90:
                 softcap_scores(acc_S, softcap_pre)
             if cutlass.const_expr(self.features.score_mod is not None):
                 mods.apply_score(acc_S, ops.tScS, m_block, n_block)
-            if cutlass.const_expr(masked):
+            if cutlass.const_expr(early_mask):
+                mask.apply_bits(acc_S, visible)
+            elif cutlass.const_expr(masked):
                 mask.apply(acc_S, ops.tScS, m_block, n_block)
             pending_scale.store(softmax.step(acc_S, is_first=False).load())
             # dropout's Philox words drawn before the PV WGMMA's wait (the compiler may
