@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     fns = impls()
     if args.grid:
         fns = {n: f for n, f in fns.items() if n in GRID_IMPLS}
-    records = []
+    records, path = [], None
     for b, sq, sk, h, hkv, d in (GRID if args.grid else QUICK if args.quick else SHAPES):
         kv_bytes = 2 * b * sk * hkv * d * 2
         if 3 * kv_bytes > torch.cuda.mem_get_info()[0]:  # K, V and SDPA's working room
@@ -311,6 +311,17 @@ def main(argv=None) -> int:
         q = k = v = None  # free them before the next shape
         _tables.clear()
         _lengths.clear()
+        # rewritten after every shape: a run cut short by a time limit keeps what it measured
+        path = write_results(args, device, copy_gbs, host, records)
+    if path is not None:
+        harness.log(f"wrote {path}")
+    return 0
+
+
+def write_results(args, device, copy_gbs, host, records):
+    """The results document so far (None without --out)."""
+    if not args.out:
+        return None
     doc = {"device": device, "copy_bandwidth_gbs": copy_gbs, "torch": torch.__version__,
            "method": f"do_bench median, {args.rounds} interleaved rounds, bf16, random normal inputs"
                      + (f"; graph_us: {GRAPH_CALLS} calls in one CUDA graph over rotating K/V copies, median of "
@@ -318,12 +329,10 @@ def main(argv=None) -> int:
            "records": records}
     if host is not None:
         doc["host"] = host
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"{harness.device_slug(device)}-decode{'-grid' if args.grid else ''}.json"
-        path.write_text(json.dumps(doc, indent=1))
-        harness.log(f"wrote {path}")
-    return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{harness.device_slug(device)}-decode{'-grid' if args.grid else ''}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    return path
 
 
 if __name__ == "__main__":
