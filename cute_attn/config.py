@@ -277,6 +277,11 @@ class FwdConfig(_WarpSpecialized):
     # the cu_seqlens_q slot, which a dense batch does not read (launcher._tile_queue);
     # each launch leaves it zero.
     tile_queue: bool = False
+    # Split-KV with 2..MAX_CLUSTER_SPLITS splits: a tile's splits launch as one
+    # thread-block cluster and merge through distributed shared memory
+    # (fwd_sm90.merge_in_cluster) instead of fp32 partials in global memory and a counter
+    # (merge_if_last). cluster_splits_fit says when the partial tile fits the K/V rings.
+    cluster_splits: bool = False
     # A mask mod's PARTIAL tiles (intra_wg_overlap): the mod evaluated into one bit per
     # score while the QK^T WGMMA runs (blocks/mods.ModTile.visible_bits), the bits applied
     # after its wait; off: the mod evaluated after the wait, on the softmax's path.
@@ -399,6 +404,16 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
         return config
     persistent = dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal" or mods)
     return persistent if fwd_smem_bytes(persistent, head_dim) <= SM90_SMEM_BYTES else config
+
+
+# The portable cluster size limit on sm_90 (16 needs a non-portable opt-in)
+MAX_CLUSTER_SPLITS = 8
+
+
+def cluster_splits_fit(config: FwdConfig, head_dim: int, elem_bytes: int = 2) -> bool:
+    """Whether a split tile's fp32 O fits the K and V rings' shared memory, which it takes
+    once the mainloop is done (FwdConfig.cluster_splits)."""
+    return config.tile_m * head_dim * 4 <= 2 * config.tile_n * head_dim * config.num_stages * elem_bytes
 
 
 def split_config(config: FwdConfig) -> FwdConfig:

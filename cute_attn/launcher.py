@@ -27,11 +27,13 @@ from cute_attn.config import (
     CAPABILITIES,
     DTYPE_OF_INPUT,
     DTYPES,
+    MAX_CLUSTER_SPLITS,
     AttnFeatures,
     BwdConfig,
     FwdConfig,
     RunArgs,
     bwd_config_for,
+    cluster_splits_fit,
     fp8_fwd_config_for,
     fwd_config_for,
     pack_gqa_for,
@@ -435,7 +437,7 @@ class FwdLaunch:
     kv_lengths and page_table are the call's own: a KV cache's lengths and pages."""
 
     __slots__ = ("fn", "device", "lse_shape", "sink", "placeholder", "page_table", "scalars", "workspace",
-                 "num_splits", "tile_queue")
+                 "num_splits", "tile_queue", "partials")
 
     def __call__(self, q, k, v, need_lse: bool, kv_lengths=None, page_table=None):
         out = torch.empty_like(q)
@@ -450,11 +452,12 @@ class FwdLaunch:
         unused = self.placeholder
         cu_k = unused if kv_lengths is None else kv_lengths
         pages = self.page_table if page_table is None else page_table
-        if self.workspace is None:
+        if self.num_splits == 1:
             cu_q = _tile_queue(self.device) if self.tile_queue else unused
             self.fn(q, k, v, out, lse, cu_q, cu_k, pages, *self.scalars)
         else:
-            o_part, lse_part, counters = _split_workspace(self.device, *self.workspace)
+            # a cluster merge reads no workspace (_unused_partials); else this stream's
+            o_part, lse_part, counters = self.partials or _split_workspace(self.device, *self.workspace)
             self.fn(q, k, v, out, lse, unused, cu_k, pages, o_part, lse_part, counters, *self.scalars,
                     self.num_splits)
         return out, (lse if need_lse else None)
@@ -479,9 +482,12 @@ def bind_fwd(q, k, features: AttnFeatures, args: RunArgs, num_splits: Optional[i
     launch.num_splits = plan.num_splits
     launch.tile_queue = plan.tile_queue
     launch.workspace = None
+    launch.partials = None
     if plan.num_splits > 1:
         batch, seqlen_q, heads, head_dim = q.shape
         launch.workspace = (plan.num_splits * batch, seqlen_q, heads, head_dim, plan.tiles)
+        if plan.cluster_merge:
+            launch.partials = _unused_partials(q.device, seqlen_q, heads, head_dim)
     return launch
 
 
@@ -659,6 +665,7 @@ class _Plan(NamedTuple):
     num_splits: int
     tiles: int  # split-KV: work tiles, one counter each (else 0)
     tile_queue: bool = False  # a persistent grid's tile queue: its counter in the cu_seqlens_q slot
+    cluster_merge: bool = False  # split-KV: the splits merge in a cluster (FwdConfig.cluster_splits), no workspace
 
 
 # (q shape, k shape, dtype, device, features, config, num_splits asked, page-table width,
@@ -688,7 +695,9 @@ def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[Fwd
     if num_splits is None:
         num_splits = choose_splits(q, k, features, args, config)
     if num_splits > 1:
-        return _Plan(_split_kernel(q, features, config), num_splits, _work_tiles(q, features, args, config))
+        cluster = _cluster_merge(q, k, features, args, config, num_splits)
+        return _Plan(_split_kernel(q, features, config, cluster), num_splits, _work_tiles(q, features, args, config),
+                     cluster_merge=cluster)
     if defaulted and q.dtype in (torch.bfloat16, torch.float16):
         # a short packed tile that runs unsplit: 64 rows (config.unsplit_decode_config)
         config = unsplit_decode_config(config, q.shape[-1], q.shape[1] * config.pack_gqa)
@@ -810,6 +819,32 @@ def _device_limits(device) -> tuple:
     return n
 
 
+def _max_seqlen_k(q, k, features: AttnFeatures, args: RunArgs) -> int:
+    """The longest key sequence a call may have: varlen's maximum, or a KV cache's
+    capacity (its lengths stay on the device): rows, or pages x page size."""
+    if features.varlen:
+        return args.max_seqlen_k
+    return k.shape[1] if args.page_table is None else args.page_table.shape[1] * k.shape[1]
+
+
+def _cluster_merge(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig, num_splits: int) -> bool:
+    """Whether this call's splits merge in a thread-block cluster (FwdConfig.cluster_splits):
+    the partial tile fits the K/V rings, its rows are few (below) and
+    split_heuristic.merge_in_cluster says so."""
+    head_dim = q.shape[-1]
+    if not cluster_splits_fit(split_config(config), head_dim, q.element_size()):
+        return False
+    # one (row, 16-byte chunk) item per merging thread (decode's few packed rows): with
+    # more, split 0 walks its items one distributed-shared-memory round trip after the
+    # other (8 queries x 64/8 heads: do_bench 0.942x, graph 1.014x; perf/NOTES.md session 22)
+    seqlen_q = args.max_seqlen_q if features.varlen else q.shape[1]
+    if seqlen_q * config.pack_gqa * head_dim // 4 > 128 * config.num_mma_warpgroups:
+        return False
+    kv_blocks = -(-_max_seqlen_k(q, k, features, args) // config.tile_n)
+    return split_heuristic.merge_in_cluster(num_splits, kv_blocks, 2 * config.tile_n * head_dim * k.element_size(),
+                                            MAX_CLUSTER_SPLITS)
+
+
 def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig) -> int:
     """split_heuristic.choose_num_splits for this call: work tiles (query tiles of packed
     rows x the heads a tile covers x batch) against the GPU's SMs, KV blocks of the
@@ -817,11 +852,10 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
     returns 1 after a few integer operations."""
     if features.varlen:
         batch = args.cu_seqlens_q.shape[0] - 1
-        seqlen_q, seqlen_k, heads = args.max_seqlen_q, args.max_seqlen_k, q.shape[1]
+        seqlen_q, heads = args.max_seqlen_q, q.shape[1]
     else:
         batch, seqlen_q, heads, _ = q.shape
-        # a KV cache's capacity (its lengths stay on the device): rows, or pages x page size
-        seqlen_k = k.shape[1] if args.page_table is None else args.page_table.shape[1] * k.shape[1]
+    seqlen_k = _max_seqlen_k(q, k, features, args)
     pack = config.pack_gqa
     q_tiles = -(-(seqlen_q * pack) // config.tile_m)
     tiles = q_tiles * (heads // pack) * batch
@@ -836,20 +870,26 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
 _split_kernels: dict = {}
 
 
-def _split_kernel(q, features: AttnFeatures, config: FwdConfig):
+def _split_kernel(q, features: AttnFeatures, config: FwdConfig, cluster: bool = False):
+    """The split forward of config; cluster: its splits merge in a thread-block cluster
+    (FwdConfig.cluster_splits), for 2..MAX_CLUSTER_SPLITS splits."""
     head_dim = q.shape[-1]
-    fn = _split_kernels.get((q.dtype, head_dim, features, config))
+    fn = _split_kernels.get((q.dtype, head_dim, features, config, cluster))
     if fn is None:
-        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, split_config(config))
-        fn = _split_kernels.setdefault((q.dtype, head_dim, features, config), get_fwd_kernel(key))
+        split = dataclasses.replace(split_config(config), cluster_splits=cluster)
+        key = FwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, split)
+        fn = _split_kernels.setdefault((q.dtype, head_dim, features, config, cluster), get_fwd_kernel(key))
     return fn
 
 
 def _run_fwd_split(q, k, v, features: AttnFeatures, args: RunArgs, plan: _Plan, need_lse: bool):
     q4, k4, v4, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
     batch, seqlen_q, heads, head_dim = q4.shape
-    o_part, lse_part, counters = _split_workspace(q.device, plan.num_splits * batch, seqlen_q, heads, head_dim,
-                                                  plan.tiles)
+    if plan.cluster_merge:
+        o_part, lse_part, counters = _unused_partials(q.device, seqlen_q, heads, head_dim)
+    else:
+        o_part, lse_part, counters = _split_workspace(q.device, plan.num_splits * batch, seqlen_q, heads, head_dim,
+                                                      plan.tiles)
     out, lse = _outputs(q, features, need_lse)
     out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
     window_left, window_right = args.window
@@ -867,6 +907,25 @@ def _work_tiles(q, features: AttnFeatures, args: RunArgs, config: FwdConfig) -> 
     else:
         batch, seqlen_q, heads, _ = q.shape
     return -(-(seqlen_q * pack) // config.tile_m) * (heads // pack) * batch
+
+
+# (device, seqlen_q, heads, head_dim) -> placeholders for the partials' arguments
+_unused_partial_buffers: dict = {}
+
+
+def _unused_partials(device, seqlen_q: int, heads: int, head_dim: int):
+    """(o_part, lse_part, tile_counters) for a split forward that merges in a cluster and
+    reads none of them: shaped as the kernel's signature ties them to q (one part), never
+    zeroed (nothing reads them), cached outside CUDA graph capture."""
+    key = (device, seqlen_q, heads, head_dim)
+    parts = _unused_partial_buffers.get(key)
+    if parts is None:
+        f32 = dict(dtype=torch.float32, device=device)
+        parts = (torch.empty((1, seqlen_q, heads, head_dim), **f32), torch.empty((1, heads, seqlen_q), **f32),
+                 _placeholder(device, (1,)))
+        if not torch.cuda.is_current_stream_capturing():
+            _unused_partial_buffers[key] = parts
+    return parts
 
 
 # (device, stream) -> ([fp32 buffers], [int32 zero buffers]) grown so far, the last the

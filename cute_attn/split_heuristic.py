@@ -47,6 +47,10 @@ The rule (pure Python, no device query: the caller passes num_sms):
    split in 13 busy splits and 3 empty ones; 13 splits do the same work with fewer
    partials to write and combine.
 
+5. (merge_in_cluster) 2..8 splits that each read at most CLUSTER_MERGE_MAX_SPLIT_BYTES
+   merge in a thread-block cluster through distributed shared memory; the launcher adds
+   that the tile's rows be few (one query per sequence).
+
 Constants to be checked on the device: see perf/NOTES.md. FILL_FRACTION and MAX_SPLITS
 are first guesses from the costs above, not measurements; the short-split rule was
 measured at batch 1 on an H200 only.
@@ -115,3 +119,25 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks
         return 1
     blocks_per_split = -(-kv_blocks // splits)
     return -(-kv_blocks // blocks_per_split)
+
+
+# The most KV bytes one split reads for its tile's splits to merge in a thread-block cluster
+# (FwdConfig.cluster_splits) rather than through fp32 partials in global memory. Measured
+# on an H100 (perf/NOTES.md, session 22; CUDA graphs, one query, causal, against the global
+# merge): 8 splits of 128 KB (b1 x 2K, 32/8 heads, hd 128) 1.135x, of 512 KB (8K) 1.040x,
+# of 1 MB (32K at hd 64, 64/8) 1.044x; of 2 MB (32K at hd 128) 0.967x / 1.016x; of 8 MB
+# (128K; batch 4 x 32K in pairs) 0.948x / 0.949x. The cluster saves a fixed ~1-2 us (no
+# partial round trip through L2, no counter, no zeroed workspace) but its CTAs stream
+# keys more slowly: a cluster's CTAs share a GPC, so a small grid of clusters reaches
+# fewer GPCs than one of free CTAs (our reading; the launch has no spread policy to ask).
+CLUSTER_MERGE_MAX_SPLIT_BYTES = 1 << 20
+
+
+def merge_in_cluster(num_splits: int, kv_blocks: int, kv_block_bytes: int, max_cluster: int) -> bool:
+    """Whether num_splits splits over kv_blocks KV blocks (kv_block_bytes of K and V each)
+    merge in a cluster: at most max_cluster of them, each reading at most
+    CLUSTER_MERGE_MAX_SPLIT_BYTES."""
+    if not 2 <= num_splits <= max_cluster:
+        return False
+    return -(-kv_blocks // num_splits) * kv_block_bytes <= CLUSTER_MERGE_MAX_SPLIT_BYTES
+

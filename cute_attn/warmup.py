@@ -15,6 +15,7 @@ The entries are valid only for the same package sources, DSL version, CUDA drive
 and Python environment (compile_cache.versions): warm up on the machine that runs.
 """
 
+import dataclasses
 import itertools
 import os
 import time
@@ -22,7 +23,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from cute_attn.config import CAPABILITIES, AttnFeatures, bwd_config_for, split_config, unsplit_decode_config
+from cute_attn.config import (CAPABILITIES, AttnFeatures, bwd_config_for, cluster_splits_fit, split_config,
+                              unsplit_decode_config)
 from cute_attn.tuning import default_fwd_config
 
 # What a plain training or inference job calls: bf16, the two most used head dims,
@@ -57,8 +59,11 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
                     continue  # the plain forward: built below
                 features = AttnFeatures(mask=mask, softcap=softcap, kv_lengths=kv_lengths)
                 config = default_fwd_config(dtype, d, features, pack_gqa=pack)
-                if split:  # as launcher._split_kernel builds it
+                if split:  # as launcher._split_kernel builds it: merged in a cluster and not
                     config = split_config(config)
+                    if cluster_splits_fit(config, d):
+                        jobs.append(Job("fwd", FwdKey(dtype, d, features,
+                                                      dataclasses.replace(config, cluster_splits=True))))
                 else:  # one query per sequence, unsplit: launcher._make_plan's decode tile
                     config = unsplit_decode_config(config, d, pack)
                 jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))

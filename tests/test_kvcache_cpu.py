@@ -769,3 +769,30 @@ def test_unsplit_decode_kernel_compiles_spill_free():
     assert "wgmma.mma_async" in art.ptx
     if "ptxas not found" not in art.ptxas_report:
         assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
+
+
+def test_split_merge_in_a_cluster_where_splits_are_short():
+    """split_heuristic.merge_in_cluster: 2..8 splits that each read at most 1 MiB merge in
+    a thread-block cluster; longer splits, one split or more than 8 do not; and the
+    cluster kernel (FwdConfig.cluster_splits) compiles spill-free with its distributed
+    shared-memory loads and cluster barriers (sm_90a, CPU)."""
+    import dataclasses
+
+    from cute_attn import ptx as ptx_tool
+    from cute_attn import split_heuristic
+    from cute_attn.config import AttnFeatures, cluster_splits_fit, fwd_config_for, split_config
+
+    block = 2 * 128 * 128 * 2  # a 128-key block of K and V at head dim 128, bf16
+    assert split_heuristic.merge_in_cluster(8, 16, block, 8)  # 2K keys: 2 blocks per split
+    assert split_heuristic.merge_in_cluster(8, 64, block, 8)  # 8K: 512 KB per split
+    assert not split_heuristic.merge_in_cluster(8, 256, block, 8)  # 32K: 2 MB per split
+    assert not split_heuristic.merge_in_cluster(1, 4, block, 8)
+    assert not split_heuristic.merge_in_cluster(16, 16, block, 8)
+    features = AttnFeatures(mask="causal", kv_lengths=True)
+    config = dataclasses.replace(split_config(fwd_config_for(128, features, pack_gqa=4)), cluster_splits=True)
+    assert cluster_splits_fit(config, 128)
+    art = ptx_tool.compile_fwd_artifacts("bf16", 128, features, config)
+    assert "ld.shared::cluster.v4.f32" in art.ptx and "barrier.cluster.wait" in art.ptx
+    assert "atom.acq_rel" not in art.ptx  # no counter
+    if "ptxas not found" not in art.ptxas_report:
+        assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report

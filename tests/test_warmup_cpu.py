@@ -1,6 +1,7 @@
 """`python -m cute_attn warmup`: the plan names exactly the keys the launcher looks up, and
 a run fills the on-disk cache so that a second run (another process) compiles nothing."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -74,10 +75,12 @@ def test_decode_plan_adds_the_inference_kernels():
     extra = [j for j in jobs if j not in base]
     assert _keys(base) <= _keys(jobs)
     fwd = [j.key for j in extra if j.family == "fwd"]
-    # (dense split, kv_lengths unsplit, kv_lengths split) x packs 1 and 4
-    assert len(fwd) == 6 and len(set(fwd)) == 6
-    assert {(k.features.kv_lengths, k.config.split_kv, k.config.pack_gqa) for k in fwd} == {
-        (kv, split, pack) for kv in (False, True) for split in (False, True) for pack in (1, 4) if kv or split}
+    # (dense split, kv_lengths unsplit, kv_lengths split) x packs 1 and 4, each split merged
+    # in a cluster (FwdConfig.cluster_splits, fits at head dim 128) and through global memory
+    assert len(fwd) == 10 and len(set(fwd)) == 10
+    assert {(k.features.kv_lengths, k.config.split_kv, k.config.pack_gqa, k.config.cluster_splits) for k in fwd} == {
+        (kv, split, pack, cluster) for kv in (False, True) for split in (False, True) for pack in (1, 4)
+        for cluster in (False, True) if (kv or split) and (split or not cluster)}
     from cute_attn.launcher import AppendKey
 
     assert [j.key for j in extra if j.family == "append"] == [AppendKey("bf16", 128, False),
@@ -104,8 +107,10 @@ def test_decode_plan_builds_the_launchers_split_keys_on_a_gpu_host(monkeypatch):
     plain = tuning.default_fwd_config("bf16", 128, dense)
     assert plain.persistent_ctas == 132 and plain.tile_queue
     splits = [j.key for j in jobs if j.family == "fwd" and j.key.config.split_kv and not j.key.features.kv_lengths]
-    assert [k.config for k in splits] == [split_config(plain)]
+    clustered = dataclasses.replace(split_config(plain), cluster_splits=True)
+    assert [k.config for k in splits] == [clustered, split_config(plain)]
     monkeypatch.setattr(launcher, "get_fwd_kernel", lambda key: key)
     monkeypatch.setattr(launcher, "_split_kernels", {})
     q = torch.empty(1, 64, 4, 128, dtype=torch.bfloat16)
-    assert launcher._split_kernel(q, dense, plain) == splits[0]
+    assert launcher._split_kernel(q, dense, plain) == splits[1]
+    assert launcher._split_kernel(q, dense, plain, cluster=True) == splits[0]

@@ -45,6 +45,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cute_attn.blocks import dsmem
+
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _FP32_CHUNK = 4  # fp32 elements per 16-byte load
@@ -105,11 +107,50 @@ class SplitMerge:
 
     @cute.jit
     def _merge_one_chunk(self, mOpart, mLSEpart, mO, mLSE, num_splits, batches, b, row_coord, tidx):
-        """Item tidx = (row, 16-byte chunk) merged over every split, SPLITS_IN_FLIGHT
-        splits' loads issued before any is used (module docstring: few rows)."""
+        """Item tidx = (row, 16-byte chunk) merged over every split from the global
+        partials (module docstring: few rows)."""
         r = tidx // self.chunks_per_row
         chunk = tidx % self.chunks_per_row
         query, head = row_coord(r)
+
+        def load(s, lse_s, o_s, j):
+            part = s * batches + b
+            lse_s[j] = mLSEpart[part, head, query]
+            o_s[j, None].store(cute.zipped_divide(mOpart[part, query, head, None], (_FP32_CHUNK,))[None, chunk].load())
+
+        acc, lse = self._merge_item(load, num_splits)
+        self._store_item(acc, lse, mO, mLSE, b, query, head, chunk)
+
+    @cute.jit
+    def merge_tile_from_cluster(self, sOpart: cute.Tensor, sLSEpart: cute.Tensor, mO: cute.Tensor,
+                                mLSE: cute.Tensor, num_splits: Int32, b: Int32, rows: Int32, row_coord, tidx):
+        """Rows [0, rows) of the tile from partials that stay in the splits' shared
+        memory: split s is CTA s of the caller's thread-block cluster, its O (tile_m,
+        head_dim) in sOpart and its LSEs (tile_m,) in sLSEpart at the same addresses in
+        every CTA (blocks/dsmem.py). Each thread takes (row, chunk) items in turn: no
+        global round trip, so no need to batch items."""
+        for item in cutlass.range(tidx, rows * self.chunks_per_row, self.num_threads, unroll=1):
+            r = item // self.chunks_per_row
+            chunk = item % self.chunks_per_row
+            lse_ptr = sLSEpart.iterator + r
+            o_ptr = (sOpart.iterator + (r * self.head_dim + chunk * _FP32_CHUNK)).align(16)
+
+            def load(s, lse_s, o_s, j):
+                lse_s[j] = dsmem.load_f32(lse_ptr, s)
+                o = dsmem.load_f32x4(o_ptr, s)
+                for c in cutlass.range_constexpr(_FP32_CHUNK):
+                    o_s[j, c] = o[c]
+
+            acc, lse = self._merge_item(load, num_splits)
+            query, head = row_coord(r)
+            self._store_item(acc, lse, mO, mLSE, b, query, head, chunk)
+
+    @cute.jit
+    def _merge_item(self, load, num_splits):
+        """(O chunk, lse) of one (row, chunk) item over num_splits splits: load(s, lse_s,
+        o_s, j) puts split s's LSE and O chunk in slot j, SPLITS_IN_FLIGHT splits loaded
+        before any is used, folded into a running max, sum and weighted O (the online
+        softmax's rescale) and divided once at the end."""
         lse_s = cute.make_rmem_tensor((SPLITS_IN_FLIGHT,), Float32)
         o_s = cute.make_rmem_tensor((SPLITS_IN_FLIGHT, _FP32_CHUNK), Float32)
         acc = cute.make_rmem_tensor((_FP32_CHUNK,), Float32)
@@ -121,10 +162,7 @@ class SplitMerge:
                 lse_s[j] = -Float32.inf
                 o_s[j, None].fill(0.0)
                 if first + j < num_splits:
-                    part = (first + j) * batches + b
-                    lse_s[j] = mLSEpart[part, head, query]
-                    o_s[j, None].store(cute.zipped_divide(mOpart[part, query, head, None], (_FP32_CHUNK,))[
-                        None, chunk].load())
+                    load(first + j, lse_s, o_s, j)
             new_max = run_max
             for j in cutlass.range_constexpr(SPLITS_IN_FLIGHT):
                 new_max = cute.arch.fmax(new_max, lse_s[j])
@@ -150,6 +188,10 @@ class SplitMerge:
             inv_sum = cute.arch.rcp_approx(run_sum)
         for c in cutlass.range_constexpr(_FP32_CHUNK):
             acc[c] = acc[c] * inv_sum
+        return acc, lse
+
+    @cute.jit
+    def _store_item(self, acc, lse, mO, mLSE, b, query, head, chunk):
         cute.zipped_divide(mO[b, query, head, None], (_FP32_CHUNK,))[None, chunk].store(acc.load().to(self.out_dtype))
         if chunk == 0:
             mLSE[b, head, query] = lse

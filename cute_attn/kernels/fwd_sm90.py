@@ -66,6 +66,9 @@ each split counts itself done on the tile's counter in global memory (release), 
 one that brings it to num_splits sees every other split's partials (acquire), merges,
 and sets the counter back to 0 for the next call. No second kernel, so no second launch
 and no gap between them (a separate combine kernel cost 7.6-8.1 us per decode step).
+With FwdConfig.cluster_splits (short splits, launcher._cluster_merge) a tile's splits are
+one thread-block cluster instead and merge on chip (merge_in_cluster): the partials stay
+in each CTA's shared memory and split 0 reads them through distributed shared memory.
 
 Constraints: config.CAPABILITIES["fwd"] (head dims 64-256; fp16 or bf16 in, fp32
 accumulation: config.DtypePolicy).
@@ -169,6 +172,7 @@ class FwdSmem(NamedTuple):
     tile_is_last: cute.Tensor  # (1,) int32, split-KV: the merge_if_last broadcast
     row_lse: cute.Tensor  # (tile_m,) fp32, split-KV: the merge's row LSEs
     next_tile: cute.Tensor  # (2,) int32, tile queue: the next tile's index, by tile parity
+    o_part: cute.Tensor  # (tile_m, head_dim) fp32 over the K/V rings, cluster_splits: this split's O (else None)
 
 
 class MainloopOperands(NamedTuple):
@@ -209,6 +213,8 @@ class FlashFwdSm90:
         self.producer_regs, self.mma_regs = config.registers
         self.pack_gqa = config.pack_gqa
         self.split_kv = config.split_kv
+        self.cluster_splits = config.cluster_splits
+        assert not self.cluster_splits or self.split_kv
         self.page_size = config.page_size
         self.tree_row_sums = config.tree_row_sums
         self.p_double_buffer = config.p_double_buffer
@@ -333,11 +339,17 @@ class FlashFwdSm90:
                 sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(layouts.sO)], 1024]
 
         self.shared_storage = SharedStorage
+        if cutlass.const_expr(self.cluster_splits):
+            # merge_in_cluster's partial tile spans the K and V rings (config.cluster_splits_fit)
+            k_bytes = cute.cosize(layouts.sK) * self.dtype.width // 8
+            assert k_bytes % 1024 == 0 and self.tile_m * self.head_dim * 4 <= 2 * k_bytes
 
         score = fold_score_scale(softmax_scale, softcap, self.features.softcap, self.features.score_mod is not None)
         self.kernel(g, layouts, score, window_left, window_right, num_splits).launch(
             grid=self.scheduler.grid(mQ, mCuSeqlensQ, max_seqlen_q, num_splits),
             block=[self.num_threads, 1, 1],
+            # a tile's splits are grid neighbours (TileScheduler.tile): one cluster each
+            cluster=[num_splits, 1, 1] if cutlass.const_expr(self.cluster_splits) else None,
             stream=stream,
             # a register cap at entry is what lets ptxas honour setmaxnreg (else C7508)
             min_blocks_per_mp=1,
@@ -379,6 +391,11 @@ class FlashFwdSm90:
             tile_is_last=storage.tile_is_last.get_tensor(cute.make_layout(1)),
             row_lse=storage.row_lse.get_tensor(cute.make_layout(self.tile_m)),
             next_tile=storage.next_tile.get_tensor(cute.make_layout(2)),
+            # K's ring then V's: sK's bytes are a multiple of sV's 1024-byte alignment
+            # (launch asserts it), so the two are one contiguous buffer
+            o_part=(cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
+                                     cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim, 1)))
+                    if cutlass.const_expr(self.cluster_splits) else None),
         )
 
         window = Window(self.features.mask, window_left, window_right)
@@ -788,7 +805,9 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.features.dropout):
             out_scale = dropout.inv_keep  # the kept P's 1 / (1 - p), once per row (no FP8 with dropout)
         softmax.finalize(acc_O, lse, out_scale, sink_log2)
-        if cutlass.const_expr(self.split_kv):
+        if cutlass.const_expr(self.cluster_splits):
+            self.merge_in_cluster(acc_O, lse, g, smem, tiled_mma_pv, tidx, tile, seqlen, block_range.num_splits)
+        elif cutlass.const_expr(self.split_kv):
             self.store_partials(acc_O, lse, g, tiled_mma_pv, tidx, tile, seqlen)
             self.merge_if_last(g, smem, tile, seqlen, block_range.num_splits, tidx)
         else:
@@ -1038,9 +1057,21 @@ class FlashFwdSm90:
 
     @cute.jit
     def merge_tile(self, g: FwdGlobals, smem: FwdSmem, tile: WorkTile, seqlen: SeqlenInfo, num_splits, tidx):
-        """The tile's rows merged by all consumer threads (blocks/lse_combine.py). Packed
-        GQA: row r of KV head h's tile is query r // pack_gqa of query head
-        h * pack_gqa + r % pack_gqa (blocks/views.py)."""
+        """The tile's rows merged by all consumer threads (blocks/lse_combine.py)."""
+
+        def sync():
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+
+        rows, row_coord = self.merge_rows(tile, seqlen)
+        merge = lse_combine.SplitMerge(self.head_dim, self.out_dtype, self.num_mma_threads, self.tile_m)
+        merge.merge_tile(g.split.o_part, g.split.lse_part, g.split.o, g.split.lse, smem.row_lse, num_splits,
+                         seqlen.batch, rows, row_coord, tidx, sync)
+
+    def merge_rows(self, tile: WorkTile, seqlen: SeqlenInfo):
+        """(rows, row_coord): the tile's rows that hold queries, and row r's (query row,
+        query head) in the outputs' indexing. Packed GQA: row r of KV head h's tile is
+        query r // pack_gqa of query head h * pack_gqa + r % pack_gqa (blocks/views.py).
+        (Plain Python: runs while tracing.)"""
         first = tile.block * self.tile_m
         rows = cutlass.min(self.tile_m, seqlen.seqlen_q * self.pack_gqa - first)
 
@@ -1050,12 +1081,41 @@ class FlashFwdSm90:
                 return seqlen.offset_q + row // self.pack_gqa, tile.head * self.pack_gqa + row % self.pack_gqa
             return seqlen.offset_q + row, tile.head
 
-        def sync():
-            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+        return rows, row_coord
 
-        merge = lse_combine.SplitMerge(self.head_dim, self.out_dtype, self.num_mma_threads, self.tile_m)
-        merge.merge_tile(g.split.o_part, g.split.lse_part, g.split.o, g.split.lse, smem.row_lse, num_splits,
-                         seqlen.batch, rows, row_coord, tidx, sync)
+    @cute.jit
+    def merge_in_cluster(self, acc_O, lse, g: FwdGlobals, smem: FwdSmem, tiled_mma_pv, tidx, tile: WorkTile,
+                         seqlen: SeqlenInfo, num_splits):
+        """FwdConfig.cluster_splits: the tile's num_splits CTAs are one thread-block
+        cluster, split s its CTA s. Each keeps its normalised O (fp32) and LSEs in its own
+        shared memory (O over the K and V rings, free once every consumer warpgroup's
+        last WGMMA has completed; the LSEs in row_lse), the cluster meets at a barrier (arrive releases
+        this CTA's stores, wait acquires every split's), split 0 merges the tile from the
+        others' shared memory (blocks/dsmem.py) into O and LSE, and a second cluster
+        barrier keeps the other CTAs, and their shared memory, alive until it has read.
+        Against merge_if_last: no fp32 partials in global memory, no fence, no counter
+        (and so no zeroed workspace), no L2 round trip; both barriers are on chip."""
+        # every consumer warpgroup is past its last WGMMA: the K and V rings are free
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+        sO = smem.o_part
+        thr_mma = tiled_mma_pv.get_slice(tidx)
+        tOcO = mma_sm90.acc_as_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        acc = mma_sm90.acc_as_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(acc.shape[0])):
+            for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
+                sO[tOcO[r, c]] = acc[r, c]
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                smem.row_lse[tOcO[r, 0][0]] = lse[r]
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if cute.arch.block_in_cluster_idx()[0] == 0:
+            rows, row_coord = self.merge_rows(tile, seqlen)
+            merge = lse_combine.SplitMerge(self.head_dim, self.out_dtype, self.num_mma_threads, self.tile_m)
+            merge.merge_tile_from_cluster(sO, smem.row_lse, g.split.o, g.split.lse, num_splits, seqlen.batch, rows,
+                                          row_coord, tidx)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
 
 
 class FlashFwdSm90SplitKV(FlashFwdSm90):
