@@ -412,8 +412,10 @@ MAX_CLUSTER_SPLITS = 8
 
 def cluster_splits_fit(config: FwdConfig, head_dim: int, elem_bytes: int = 2) -> bool:
     """Whether a split tile's fp32 O fits the K and V rings' shared memory, which it takes
-    once the mainloop is done (FwdConfig.cluster_splits)."""
-    return config.tile_m * head_dim * 4 <= 2 * config.tile_n * head_dim * config.num_stages * elem_bytes
+    once the mainloop is done (FwdConfig.cluster_splits): the rings must also be one
+    contiguous buffer, i.e. K's ring a whole number of V's 1024-byte alignment units."""
+    k_bytes = config.tile_n * head_dim * config.num_stages * elem_bytes
+    return k_bytes % 1024 == 0 and config.tile_m * head_dim * 4 <= 2 * k_bytes
 
 
 def split_config(config: FwdConfig) -> FwdConfig:

@@ -916,15 +916,16 @@ _unused_partial_buffers: dict = {}
 def _unused_partials(device, seqlen_q: int, heads: int, head_dim: int):
     """(o_part, lse_part, tile_counters) for a split forward that merges in a cluster and
     reads none of them: shaped as the kernel's signature ties them to q (one part), never
-    zeroed (nothing reads them), cached outside CUDA graph capture."""
+    initialised (nothing reads them, so a captured call records no memset), cached outside
+    CUDA graph capture in a bounded cache (varlen's total_q varies per batch)."""
     key = (device, seqlen_q, heads, head_dim)
     parts = _unused_partial_buffers.get(key)
     if parts is None:
         f32 = dict(dtype=torch.float32, device=device)
         parts = (torch.empty((1, seqlen_q, heads, head_dim), **f32), torch.empty((1, heads, seqlen_q), **f32),
-                 _placeholder(device, (1,)))
+                 torch.empty((1,), dtype=torch.int32, device=device))
         if not torch.cuda.is_current_stream_capturing():
-            _unused_partial_buffers[key] = parts
+            remember(_unused_partial_buffers, key, parts, limit=16)
     return parts
 
 

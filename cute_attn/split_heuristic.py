@@ -49,7 +49,8 @@ The rule (pure Python, no device query: the caller passes num_sms):
 
 5. (merge_in_cluster) 2..8 splits that each read at most CLUSTER_MERGE_MAX_SPLIT_BYTES
    merge in a thread-block cluster through distributed shared memory; the launcher adds
-   that the tile's rows be few (one query per sequence).
+   that the tile's rows be few (rows x head_dim / 4 <= its consumer threads: one
+   16-byte chunk per merging thread).
 
 Constants to be checked on the device: see perf/NOTES.md. FILL_FRACTION and MAX_SPLITS
 are first guesses from the costs above, not measurements; the short-split rule was

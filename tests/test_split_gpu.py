@@ -45,6 +45,9 @@ DECODE_CASES = [
     Case(b=2, sq=130, sk=2049, h=4, h_kv=2, causal=True),  # query tiles of more than one block
     # varlen: empty and one-token sequences, keys shorter and longer than a split
     Case(h=8, h_kv=2, causal=True, lens_q=(1, 5, 0, 16, 1), lens_k=(700, 2000, 33, 4096, 1)),
+    # varlen decode whose few rows merge in a cluster (launcher._cluster_merge) at 2-8
+    # splits: tiles past an empty sequence's end exit, the whole cluster together
+    Case(h=8, h_kv=2, causal=True, lens_q=(1, 1, 0, 1), lens_k=(700, 2000, 33, 4096)),
 ]
 
 
@@ -97,6 +100,25 @@ def test_automatic_choice_splits_small_grids_only():
     q, k, v, _, cu = make_inputs(case, seed=11)
     out, lse = run_forward(case, q, k, v, cu)
     check_forward(case, q, k, v, cu, out, lse)
+
+
+@pytest.mark.parametrize("case", [Case(b=2, sq=1, sk=3000, h=32, h_kv=8, causal=True),
+                                  Case(b=1, sq=1, sk=2047, h=64, h_kv=8, d=64, causal=True),
+                                  Case(h=8, h_kv=2, causal=True, lens_q=(1, 0, 1), lens_k=(900, 33, 2500))], ids=str)
+def test_cluster_merge_equals_the_global_merge(case, forced_splits, monkeypatch):
+    """The same split forward merged in a thread-block cluster (FwdConfig.cluster_splits)
+    and through global memory: the two fold the same partials in the same order, so the
+    outputs and LSEs are bit-identical (an indexing slip in either shows here), and both
+    match the reference."""
+    results = []
+    for cluster in (True, False):
+        forced_splits(5)  # also forgets the cached plans, which hold the merge choice
+        monkeypatch.setattr(launcher, "_cluster_merge", lambda *args, cluster=cluster: cluster)
+        q, k, v, _, cu = make_inputs(case, seed=9)
+        out, lse = run_forward(case, q, k, v, cu)
+        check_forward(case, q, k, v, cu, out, lse)
+        results.append((out, lse))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_split_call_is_cuda_graph_capturable(forced_splits):

@@ -114,7 +114,9 @@ FP8_P_LOG2_OFFSET = 8.0
 
 class SplitBuffers(NamedTuple):
     """Split-KV: the partials and the outputs they merge into, in the callers' layouts
-    (blocks/lse_combine.py), and one int32 counter per work tile (zero between calls)."""
+    (blocks/lse_combine.py), and one int32 counter per work tile (zero between calls).
+    With FwdConfig.cluster_splits the partials and counters are unread placeholders
+    (the splits merge in shared memory, merge_in_cluster)."""
 
     o_part: cute.Tensor  # (num_splits * batch, seqlen_q, heads, head_dim) fp32
     lse_part: cute.Tensor  # (num_splits * batch, heads, seqlen_q) fp32
@@ -170,7 +172,7 @@ class FwdSmem(NamedTuple):
     k: cute.Tensor  # (tile_n, head_dim, stages)
     v: cute.Tensor
     tile_is_last: cute.Tensor  # (1,) int32, split-KV: the merge_if_last broadcast
-    row_lse: cute.Tensor  # (tile_m,) fp32, split-KV: the merge's row LSEs
+    row_lse: cute.Tensor  # (tile_m,) fp32, split-KV: the merge's row LSEs (cluster_splits: this split's own)
     next_tile: cute.Tensor  # (2,) int32, tile queue: the next tile's index, by tile parity
     o_part: cute.Tensor  # (tile_m, head_dim) fp32 over the K/V rings, cluster_splits: this split's O (else None)
 
@@ -1107,6 +1109,10 @@ class FlashFwdSm90:
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 smem.row_lse[tOcO[r, 0][0]] = lse[r]
+        # Every consumer thread of every split arrives; the producer warpgroup's threads
+        # have exited by then (warp 0 after its last load, which the consumers waited
+        # for), and a cluster barrier waits for non-exited threads only. A producer that
+        # outlived its loads (a persistent loop) would have to arrive here too.
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         if cute.arch.block_in_cluster_idx()[0] == 0:
@@ -1121,7 +1127,8 @@ class FlashFwdSm90:
 class FlashFwdSm90SplitKV(FlashFwdSm90):
     """The split-KV forward's entry point (config.FwdConfig.split_kv): O and LSE as the
     dense forward's, plus the fp32 partials the splits write and the per-tile counters
-    (zeros; the kernel leaves them zero) that elect the merging split."""
+    (zeros; the kernel leaves them zero) that elect the merging split (with
+    cluster_splits, placeholders: the splits merge in a cluster)."""
 
     @cute.jit
     def __call__(
