@@ -1,7 +1,9 @@
 """Shared test setup: detect an sm_90 GPU and skip `gpu`-marked tests without one; the
 options of the fuzz test (tests/test_fuzz_gpu.py, tests/fuzz.py)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -9,7 +11,12 @@ import torch
 
 # The compile tests keep PTX/cubin (--keep-ptx); the DSL writes them to its dump directory,
 # fixed when it is first imported, and by default the working directory: not the checkout.
-os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "cute_attn_dump"))
+# One directory per test session: the files are named by kernel and argument signature,
+# not by config, so two sessions sharing one read each other's PTX (seen: a split-KV
+# compile test read the cluster-merge variant that another session had just written).
+if "CUTE_DSL_DUMP_DIR" not in os.environ:
+    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="cute_attn_test_dump_")
+    atexit.register(shutil.rmtree, os.environ["CUTE_DSL_DUMP_DIR"], ignore_errors=True)
 os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
 
 GPU_SKIP_REASON = "needs an sm_90 (H100/H200) GPU; none found"
