@@ -55,6 +55,10 @@ SHAPES = [
     (1, 1, 8192, 64, 8, 128),
     (8, 8, 32768, 64, 8, 128),
     (32, 16, 8192, 64, 8, 128),
+    # batch 1 against a short cache, where a split decode's fixed cost shows (perf/NOTES.md,
+    # session 22), and a head-dim-64 decode (gpt-oss: 64/8 heads)
+    (1, 1, 2048, 32, 8, 128),
+    (1, 1, 32768, 64, 8, 64),
 ]
 QUICK = SHAPES[:4]
 GRID = [(b, sq, sk, 64, 8, 128) for b in (1, 8, 32, 128) for sk in (2048, 8192, 32768, 131072) for sq in (1, 8, 16)]

@@ -796,3 +796,25 @@ def test_split_merge_in_a_cluster_where_splits_are_short():
     assert "atom.acq_rel" not in art.ptx  # no counter
     if "ptxas not found" not in art.ptxas_report:
         assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
+
+
+@pytest.mark.parametrize("shape,cluster", [
+    ((1, 1, 2048, 32, 8, 128), True),    # 8 splits of 2 blocks: one query, few rows
+    ((1, 1, 8192, 64, 8, 64), True),     # head dim 64, 192-row tiles: 8 rows x 16 chunks
+    ((1, 1, 32768, 32, 8, 128), False),  # 8 splits of 2 MB: the global merge streams faster
+    ((1, 8, 8192, 64, 8, 128), False),   # 64 rows x 32 chunks: more than one item per thread
+])
+def test_launcher_merges_in_a_cluster_only_where_measured(shape, cluster):
+    """launcher._cluster_merge on the automatic split count: short splits of a few packed
+    rows merge in a cluster, long splits and many rows keep the global merge (the
+    measurements in split_heuristic.CLUSTER_MERGE_MAX_SPLIT_BYTES and _cluster_merge)."""
+    from cute_attn import api, launcher
+
+    b, sq, sk, h, hkv, d = shape
+    q = torch.empty(b, sq, h, d, dtype=torch.bfloat16)
+    k = torch.empty(b, sk, hkv, d, dtype=torch.bfloat16)
+    features, args = api._features_and_args(True, (-1, -1), 0.0, d ** -0.5)
+    config = launcher._default_fwd_config(q, k, features)
+    splits = launcher.choose_splits(q, k, features, args, config)
+    assert splits > 1
+    assert launcher._cluster_merge(q, k, features, args, config, splits) is cluster
