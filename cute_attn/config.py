@@ -283,8 +283,9 @@ class FwdConfig(_WarpSpecialized):
     # (merge_if_last). cluster_splits_fit says when the partial tile fits the K/V rings.
     cluster_splits: bool = False
     # A mask mod's PARTIAL tiles (intra_wg_overlap): the mod evaluated into one bit per
-    # score while the QK^T WGMMA runs (blocks/mods.ModTile.visible_bits), the bits applied
-    # after its wait; off: the mod evaluated after the wait, on the softmax's path.
+    # score before the K wait and the WGMMA turn (blocks/mods.ModTile.visible_bits), the
+    # bits applied after the QK^T wait; off: the mod evaluated after that wait, on the
+    # softmax's path.
     mask_before_scores: bool = False
 
     @property

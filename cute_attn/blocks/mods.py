@@ -102,10 +102,16 @@ class ModTile(Staged):
         keys_left = self.seqlen.seqlen_k - n_block * self.tile_n  # keys of this tile in the sequence
         for r in cutlass.range_constexpr(cute.size(S.shape[0])):
             for c in cutlass.range_constexpr(cute.size(S.shape[1])):
-                q, kv = self._indices(coords, r, c, m_block, n_block, keys_on_rows)
-                key_col = coords[r, c][0] if cutlass.const_expr(keys_on_rows) else coords[r, c][1]
-                visible = self.mask_mod(self.batch, self.head, q, kv, seq=seq) & (key_col < keys_left)
+                visible = self._visible(coords, r, c, m_block, n_block, keys_on_rows, seq, keys_left)
                 S[r, c] = S[r, c] if visible else -Float32.inf
+
+    def _visible(self, coords, r, c, m_block, n_block, keys_on_rows, seq, keys_left):
+        """mask_mod's verdict on element (r, c), and False past the sequence's keys (the
+        element's key within this tile against keys_left, the tile's keys in the
+        sequence) (traced, not run: plain Python)."""
+        q, kv = self._indices(coords, r, c, m_block, n_block, keys_on_rows)
+        key_col = coords[r, c][0] if cutlass.const_expr(keys_on_rows) else coords[r, c][1]
+        return self.mask_mod(self.batch, self.head, q, kv, seq=seq) & (key_col < keys_left)
 
     @cute.jit
     def visible_bits(self, tScS: cute.Tensor, m_block: Int32, n_block: Int32):
@@ -123,8 +129,7 @@ class ModTile(Staged):
         for r in cutlass.range_constexpr(rows):
             for c in cutlass.range_constexpr(cols):
                 i = r * cols + c
-                q, kv = self._indices(coords, r, c, m_block, n_block, False)
-                visible = self.mask_mod(self.batch, self.head, q, kv, seq=seq) & (coords[r, c][1] < keys_left)
+                visible = self._visible(coords, r, c, m_block, n_block, False, seq, keys_left)
                 words[i // 32] = words[i // 32] | (Int32(1 << (i % 32)) if visible else Int32(0))
         return words
 

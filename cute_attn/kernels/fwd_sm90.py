@@ -1014,18 +1014,22 @@ class FlashFwdSm90:
         into the partial buffers at batch index split * batch + b (varlen: batch 1, so
         the split). No shared memory: an fp32 tile is twice Q's buffer, and the partials
         of a decode tile are a few KB against the megabytes of keys it reads."""
-        d = self.head_dim
         part = tile.split * g.q.tensor.shape[3] + seqlen.batch
-        thr_mma = tiled_mma_pv.get_slice(tidx)
-        tOcO = mma_sm90.acc_as_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, d))))
-        acc = mma_sm90.acc_as_rows_cols(acc_O)
-        gO = cute.local_tile(seqlen.rows_q(g.o_rows, tile.head, part), (self.tile_m, d), (tile.block, 0))
-        rows = seqlen.seqlen_q * self.pack_gqa - tile.block * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(acc.shape[0])):
-            if tOcO[r, 0][0] < rows:
-                for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
-                    gO[tOcO[r, c]] = acc[r, c]
+        gO = cute.local_tile(seqlen.rows_q(g.o_rows, tile.head, part), (self.tile_m, self.head_dim), (tile.block, 0))
+        self.store_o_rows(acc_O, tiled_mma_pv, tidx, gO, seqlen.seqlen_q * self.pack_gqa - tile.block * self.tile_m)
         self.store_lse(lse, g, tiled_mma_pv, tidx, tile, seqlen, part)
+
+    @cute.jit
+    def store_o_rows(self, acc_O, tiled_mma_pv, tidx, dst: cute.Tensor, rows=None):
+        """This thread's fp32 O accumulator into the (tile_m, head_dim) tile dst, element
+        by element from registers; rows: only tile rows below it (None: every row)."""
+        thr_mma = tiled_mma_pv.get_slice(tidx)
+        tOcO = mma_sm90.acc_as_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        acc = mma_sm90.acc_as_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(acc.shape[0])):
+            if cutlass.const_expr(rows is None) or tOcO[r, 0][0] < rows:
+                for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
+                    dst[tOcO[r, c]] = acc[r, c]
 
     @cute.jit
     def merge_if_last(self, g: FwdGlobals, smem: FwdSmem, tile: WorkTile, seqlen: SeqlenInfo, num_splits, tidx):
@@ -1100,12 +1104,9 @@ class FlashFwdSm90:
         # every consumer warpgroup is past its last WGMMA: the K and V rings are free
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         sO = smem.o_part
+        self.store_o_rows(acc_O, tiled_mma_pv, tidx, sO)
         thr_mma = tiled_mma_pv.get_slice(tidx)
         tOcO = mma_sm90.acc_as_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-        acc = mma_sm90.acc_as_rows_cols(acc_O)
-        for r in cutlass.range_constexpr(cute.size(acc.shape[0])):
-            for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
-                sO[tOcO[r, c]] = acc[r, c]
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 smem.row_lse[tOcO[r, 0][0]] = lse[r]
