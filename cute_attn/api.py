@@ -2,6 +2,7 @@
 autograd, a torch.autograd.Function runs the backward kernels."""
 
 import dataclasses
+import inspect
 import math
 import numbers
 from typing import Callable, Literal, Optional, Sequence, Union, overload
@@ -57,15 +58,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: O
         dropout_p: float = ..., dropout_seed: Optional[Tensor] = ...) -> Union[Tensor, _TensorPair]: ...
 
 
-def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-        softmax_scale: Optional[float] = None, window_size: tuple[int, int] = _NO_WINDOW,
-        softcap: float = 0.0, return_lse: bool = False,
-        deterministic: bool = False, q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
-        v_descale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-        mask_mod: Optional[Callable] = None, score_mod: Optional[Callable] = None,
-        aux_tensors: Sequence[Tensor] = (), block_mask: Optional[BlockMask] = None,
-        learnable_sink: Optional[Tensor] = None, dropout_p: float = 0.0,
-        dropout_seed: Optional[Tensor] = None) -> Union[Tensor, _TensorPair]:
+def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+        return_lse: bool = False, deterministic: bool = False, **options):
     """Multi-head attention on an sm_90 (Hopper) GPU, differentiable.
 
     Args:
@@ -145,8 +139,43 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
     Raises TypeError/ValueError naming the bad argument before any kernel runs.
     """
-    # the plain call (16-bit tensors, causal or not, nothing else set) of a signature seen
-    # before: one dict lookup replaces the checks and plans (_PlainCall)
+    # The plain call (16-bit tensors, causal or not, no option of the other fourteen) of a
+    # signature seen before: one dict lookup replaces the checks and plans (_PlainCall).
+    # The options come as **options so that "nothing else set" is one empty-dict test, not
+    # fourteen default comparisons (~1 us of a ~15 us call; perf/NOTES.md, host path);
+    # mha.__signature__ still shows every argument. The identity tests keep a 1 or a
+    # numpy bool from matching a True key (validation refuses them).
+    if not options and not _is_compiling() and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor \
+            and (causal is True or causal is False) and (return_lse is True or return_lse is False) \
+            and (deterministic is True or deterministic is False) \
+            and (softmax_scale is None or type(softmax_scale) is float):
+        call = _plain_calls.get(_plain_signature(q, k, v, causal, softmax_scale))
+        # what a signature leaves open: the addresses (TMA needs 16-byte ones; every 16-bit
+        # policy's align_bytes) and a negative-bit view of the same layout
+        if call is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 \
+                and not (q.is_neg() or k.is_neg() or v.is_neg()):
+            return call(q, k, v, return_lse, deterministic)
+    return _mha(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                deterministic=deterministic, **options)
+
+
+def _plain_signature(q, k, v, causal, softmax_scale):
+    # every input of validate_fwd_inputs but the addresses; get_device() (an int) is ~3x
+    # cheaper than .device (a new torch.device per read)
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.get_device(), k.get_device(), v.get_device(), causal, softmax_scale)
+
+
+def _mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+        softmax_scale: Optional[float] = None, window_size: tuple[int, int] = _NO_WINDOW,
+        softcap: float = 0.0, return_lse: bool = False,
+        deterministic: bool = False, q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+        v_descale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+        mask_mod: Optional[Callable] = None, score_mod: Optional[Callable] = None,
+        aux_tensors: Sequence[Tensor] = (), block_mask: Optional[BlockMask] = None,
+        learnable_sink: Optional[Tensor] = None, dropout_p: float = 0.0,
+        dropout_seed: Optional[Tensor] = None) -> Union[Tensor, _TensorPair]:
+    """mha with every argument named (the public mha's slow path; its docstring)."""
     plain = not _is_compiling() and window_size is _NO_WINDOW and type(softcap) is float and softcap == 0.0 \
         and type(dropout_p) is float and dropout_p == 0.0 and q_descale is None and k_descale is None \
         and v_descale is None and out_dtype is None and mask_mod is None and score_mod is None \
@@ -156,15 +185,6 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         and (causal is True or causal is False) and (return_lse is True or return_lse is False) \
         and (deterministic is True or deterministic is False) \
         and (softmax_scale is None or type(softmax_scale) is float)
-    if plain:
-        signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-                     q.device, k.device, v.device, causal, softmax_scale)
-        call = _plain_calls.get(signature)
-        # what a signature leaves open: the addresses (TMA needs 16-byte ones; every 16-bit
-        # policy's align_bytes) and a negative-bit view of the same layout
-        if call is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 \
-                and not (q.is_neg() or k.is_neg() or v.is_neg()):
-            return call(q, k, v, return_lse, deterministic)
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
     dropout_p = _checked_dropout_p(dropout_p, dropout_seed)
@@ -187,8 +207,12 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                          return_lse, deterministic, no_kernel, learnable_sink, (dropout_p, dropout_seed))
     features, run_args = _features_and_args(causal, window, softcap, scale)
     if plain and not no_kernel and q.is_cuda:  # (CPU tests stub the validation)
-        _remember_plain_call(signature, q, k, features, run_args)
+        _remember_plain_call(_plain_signature(q, k, v, causal, softmax_scale), q, k, features, run_args)
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
+
+
+# help(mha) and inspect show every argument, not **options
+mha.__signature__ = inspect.signature(_mha)
 
 
 class _PlainCall:

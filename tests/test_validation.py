@@ -7,6 +7,7 @@ real `_device_capability` is covered by the gpu-marked test at the end.
 """
 
 import dataclasses
+import inspect
 import re
 import subprocess
 import sys
@@ -946,6 +947,28 @@ def test_kv_without_heads_for_query_heads_is_still_an_error(monkeypatch):
     q, k, v = _sm90(monkeypatch, *_empty_qkv(2, 16, 24, 4, 0))
     with pytest.raises(ValueError, match=r"k nheads must divide q nheads \(4\): .* got 0"):
         cute_attn.mha(q, k, v)
+
+
+def test_signature_fast_path_takes_only_the_plain_call(monkeypatch):
+    """mha's fast path (api._plain_calls) answers a repeated plain call and nothing else:
+    a 1 for causal hashes like True but must reach validation's TypeError, an option set
+    to its default value and an unknown keyword go to the full path."""
+    from cute_attn import api
+
+    q, k, v = _qkv()
+    answered = []
+    monkeypatch.setattr(api, "_plain_calls", {})
+    api._plain_calls[api._plain_signature(q, k, v, True, None)] = lambda *args: answered.append(args) or "fast"
+    assert cute_attn.mha(q, k, v, causal=True) == "fast" and len(answered) == 1
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cute_attn.mha(q, k, v, causal=1)
+    with pytest.raises(ValueError, match=CPU_ERROR):  # the full path's checks ran
+        cute_attn.mha(q, k, v, causal=True, window_size=(-1, -1))
+    with pytest.raises(TypeError, match="bogus"):
+        cute_attn.mha(q, k, v, causal=True, bogus=1)
+    assert len(answered) == 1
+    names = list(inspect.signature(cute_attn.mha).parameters)
+    assert names[:3] == ["q", "k", "v"] and {"window_size", "dropout_seed", "mask_mod"} <= set(names)
 
 
 # --- on an sm_90 GPU: the fast path and real CUDA outputs --------------------------------
