@@ -38,6 +38,7 @@ from cute_attn.config import (
     fwd_config_for,
     pack_gqa_for,
     split_config,
+    split_decode_config,
     unsplit_decode_config,
     with_persistent_grid,
 )
@@ -695,6 +696,10 @@ def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[Fwd
     if num_splits is None:
         num_splits = choose_splits(q, k, features, args, config)
     if num_splits > 1:
+        if defaulted and q.dtype in (torch.bfloat16, torch.float16):
+            # a short packed tile at head dim <= 64: 64 rows, four stages (config.split_decode_config)
+            seqlen_q = args.max_seqlen_q if features.varlen else q.shape[1]
+            config = split_decode_config(config, q.shape[-1], seqlen_q * config.pack_gqa)
         cluster = _cluster_merge(q, k, features, args, config, num_splits)
         return _Plan(_split_kernel(q, features, config, cluster), num_splits, _work_tiles(q, features, args, config),
                      cluster_merge=cluster)
@@ -863,7 +868,7 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
     if tiles >= split_heuristic.FILL_FRACTION * sms:  # most training calls: no further work
         return 1
     return split_heuristic.choose_num_splits(batch, heads // pack, q_tiles, -(-seqlen_k // config.tile_n),
-                                             num_sms=sms, hbm_gbs=hbm_gbs)
+                                             num_sms=sms, hbm_gbs=hbm_gbs, head_dim=q.shape[-1])
 
 
 # (torch dtype, head_dim, features, unsplit config) -> the split forward

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from cute_attn.config import (CAPABILITIES, AttnFeatures, bwd_config_for, cluster_splits_fit, split_config,
-                              unsplit_decode_config)
+                              split_decode_config, unsplit_decode_config)
 from cute_attn.tuning import default_fwd_config
 
 # What a plain training or inference job calls: bf16, the two most used head dims,
@@ -60,7 +60,7 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
                 features = AttnFeatures(mask=mask, softcap=softcap, kv_lengths=kv_lengths)
                 config = default_fwd_config(dtype, d, features, pack_gqa=pack)
                 if split:  # as launcher._split_kernel builds it: merged in a cluster and not
-                    config = split_config(config)
+                    config = split_config(split_decode_config(config, d, pack))
                     if cluster_splits_fit(config, d):
                         jobs.append(Job("fwd", FwdKey(dtype, d, features,
                                                       dataclasses.replace(config, cluster_splits=True))))

@@ -41,6 +41,9 @@ DECODE_CASES = [
     Case(b=2, sq=7, sk=2500, h=16, h_kv=1, causal=True, softcap=20.0),
     Case(b=2, sq=3, sk=5000, h=32, h_kv=8, window=(700, 0)),
     Case(b=1, sq=1, sk=777, h=8, h_kv=8, d=64),
+    # head dim 64 with few packed rows: config.split_decode_config's 64-row, 4-stage tile
+    Case(b=2, sq=1, sk=3001, h=64, h_kv=8, d=64, causal=True),
+    Case(b=1, sq=3, sk=2000, h=32, h_kv=2, d=64, causal=True, softcap=15.0),
     Case(b=1, sq=4, sk=1500, h=16, h_kv=4, d=256, causal=True),
     Case(b=2, sq=130, sk=2049, h=4, h_kv=2, causal=True),  # query tiles of more than one block
     # varlen: empty and one-token sequences, keys shorter and longer than a split
@@ -48,6 +51,7 @@ DECODE_CASES = [
     # varlen decode whose few rows merge in a cluster (launcher._cluster_merge) at 2-8
     # splits: tiles past an empty sequence's end exit, the whole cluster together
     Case(h=8, h_kv=2, causal=True, lens_q=(1, 1, 0, 1), lens_k=(700, 2000, 33, 4096)),
+    Case(h=16, h_kv=2, d=64, causal=True, lens_q=(1, 1, 0, 1), lens_k=(700, 2000, 33, 4096)),
 ]
 
 
