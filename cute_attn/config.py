@@ -454,19 +454,31 @@ def unsplit_decode_config(config: FwdConfig, head_dim: int, packed_rows: int) ->
     return config
 
 
-def split_decode_config(config: FwdConfig, head_dim: int, packed_rows: int) -> FwdConfig:
-    """The tile a split decode launch of config runs: at head dims <= 64, a query tile of
-    at most 64 packed rows takes 64 rows and four stages of 128 keys instead of the
-    dense default's 192 rows and two stages. A memory-bound CTA draws bandwidth by the
-    bytes it has in flight: two stages of 128 keys at head dim 64 are 64 KB, four are
-    128 KB (head dim 128's two), and 64 rows leave shared memory for them. Measured on an
-    H100 (perf/NOTES.md, session 23; CUDA graphs, 64/8 heads, one query, causal, forced
-    splits, default tile -> this one): batch 1 x 32K keys 52.0 -> 30.7 us (8 splits),
-    128K 182.4 -> 98.6 (16), 8K 18.4 -> 12.1 (8); batch 2 x 32K 99.4 -> 57.9 (16).
-    Six stages measured the same as four. Head dim 128 keeps its tile (64 rows, three
-    stages: 1.17x at batch 1 x 8K keys but 0.88x at 32K with 8 splits; not understood)."""
-    if head_dim <= 64 and packed_rows <= 64 and config.tile_n == 128 and not config.split_kv:
+def split_decode_config(config: FwdConfig, head_dim: int, packed_rows: int, in_cluster: bool) -> FwdConfig:
+    """The tile a split decode launch of config runs (one query tile of packed_rows rows;
+    in_cluster: its splits would merge in a cluster, launcher._cluster_merge).
+
+    Head dims <= 64, at most 64 rows: 64 rows and four stages of 128 keys instead of the
+    dense default's 192 rows and two. A memory-bound CTA draws bandwidth by the bytes it
+    has in flight: two stages of 128 keys at head dim 64 are 64 KB, four are 128 KB (head
+    dim 128's two), and 64 rows leave the shared memory for them. Measured on an H100
+    (perf/NOTES.md, session 23; CUDA graphs, 64/8 heads, one query, causal, forced splits,
+    default tile -> this one): batch 1 x 32K keys 52.0 -> 30.7 us (8 splits), 8K 18.4 ->
+    12.1 (8), 128K 182.4 -> 98.6 (16); batch 2 x 32K 99.4 -> 57.9 (16). Six stages
+    measured the same as four.
+
+    Head dim 128 with rows that one warpgroup merges (rows x 32 16-byte chunks <= 128
+    threads: 32/8 heads, one query) whose splits merge in a cluster: 64 rows and three
+    stages. Measured the same way (32/8 heads, automatic splits, all cluster merges):
+    batch 1 x 2K 12.0 -> 9.2 us, 8K 20.8 -> 17.5, 16K 32.2 -> 29.4; with the global merge
+    (32K keys, 8 splits of 2 MB) it lost, 53.6 -> 60.5 (not understood), so it stays
+    with the cluster."""
+    if packed_rows > 64 or config.tile_n != 128 or config.split_kv:
+        return config
+    if head_dim <= 64:
         return FwdConfig(tile_m=64, tile_n=128, num_stages=4, pack_gqa=config.pack_gqa, page_size=config.page_size)
+    if head_dim == 128 and in_cluster and packed_rows * head_dim // 4 <= 128:
+        return FwdConfig(tile_m=64, tile_n=128, num_stages=3, pack_gqa=config.pack_gqa, page_size=config.page_size)
     return config
 
 

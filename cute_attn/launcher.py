@@ -696,11 +696,13 @@ def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[Fwd
     if num_splits is None:
         num_splits = choose_splits(q, k, features, args, config)
     if num_splits > 1:
-        if defaulted and q.dtype in (torch.bfloat16, torch.float16):
-            # a short packed tile at head dim <= 64: 64 rows, four stages (config.split_decode_config)
-            seqlen_q = args.max_seqlen_q if features.varlen else q.shape[1]
-            config = split_decode_config(config, q.shape[-1], seqlen_q * config.pack_gqa)
         cluster = _cluster_merge(q, k, features, args, config, num_splits)
+        if defaulted and q.dtype in (torch.bfloat16, torch.float16):
+            # a short packed tile: 64 rows and deeper rings (config.split_decode_config)
+            seqlen_q = args.max_seqlen_q if features.varlen else q.shape[1]
+            tile = split_decode_config(config, q.shape[-1], seqlen_q * config.pack_gqa, cluster)
+            if tile is not config:
+                config, cluster = tile, _cluster_merge(q, k, features, args, tile, num_splits)
         return _Plan(_split_kernel(q, features, config, cluster), num_splits, _work_tiles(q, features, args, config),
                      cluster_merge=cluster)
     if defaulted and q.dtype in (torch.bfloat16, torch.float16):
@@ -847,7 +849,7 @@ def _cluster_merge(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfi
         return False
     kv_blocks = -(-_max_seqlen_k(q, k, features, args) // config.tile_n)
     return split_heuristic.merge_in_cluster(num_splits, kv_blocks, 2 * config.tile_n * head_dim * k.element_size(),
-                                            MAX_CLUSTER_SPLITS)
+                                            MAX_CLUSTER_SPLITS, _work_tiles(q, features, args, config))
 
 
 def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig) -> int:
@@ -868,7 +870,7 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
     if tiles >= split_heuristic.FILL_FRACTION * sms:  # most training calls: no further work
         return 1
     return split_heuristic.choose_num_splits(batch, heads // pack, q_tiles, -(-seqlen_k // config.tile_n),
-                                             num_sms=sms, hbm_gbs=hbm_gbs, head_dim=q.shape[-1])
+                                             num_sms=sms, hbm_gbs=hbm_gbs)
 
 
 # (torch dtype, head_dim, features, unsplit config) -> the split forward

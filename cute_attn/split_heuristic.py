@@ -36,12 +36,10 @@ The rule (pure Python, no device query: the caller passes num_sms):
      113.7; batch 8 (64 tiles) 2 splits vs none at 8K / 32K / 128K keys: 79.9 vs 96.8,
      254.2 vs 357.5, 1013 vs 1388 us; batch 4 at 32K: 4 splits 138.5, 2 198.5, 1 352.6.
      Half the SMs cannot draw 4.8 TB/s.
-2c. Head dims <= 64: all SMs on either GPU. A KV block of 128 keys is half the bytes,
-   so each CTA spends twice the fixed per-block work (barriers, the softmax of 128 keys)
-   per byte it reads. Measured on an H100 (perf/NOTES.md, session 23; CUDA graphs, 64/8
-   heads, one query, config.split_decode_config's tile): batch 1 x 128K keys 16 splits
-   98.6 us vs 8 at 103.9, 32K 31.0 vs 30.7, 8K 13.1 vs 12.1; batch 2 x 32K 16 splits
-   57.9 vs 8 at 69.0 (two waves of 128 CTAs beat one).
+   Head dim 64 follows the same rule with config.split_decode_config's tile (H100,
+   perf/NOTES.md, session 23; CUDA graphs, 64/8 heads, one query): batch 1 x 8K keys 8
+   splits 12.6 us vs 16 at 13.8, 32K 31.0 vs 32.0, 128K 105.8 vs 98.6 (16 ahead there
+   only); batch 2 x 8K 4 splits 18.7 vs 8 at 24.1, 32K 58.7 vs 16 at 58.0.
 3. At most kv_blocks // MIN_BLOCKS_PER_SPLIT splits, so each keeps >= MIN_BLOCKS_PER_SPLIT
    KV blocks, except that a tile of at least SHORT_KEY_SPLITS x MIN_BLOCKS_PER_SHORT_SPLIT
    blocks may take SHORT_KEY_SPLITS splits (2K keys: 8 splits of 2 blocks); never more
@@ -56,7 +54,7 @@ The rule (pure Python, no device query: the caller passes num_sms):
 5. (merge_in_cluster) 2..8 splits that each read at most CLUSTER_MERGE_MAX_SPLIT_BYTES
    merge in a thread-block cluster through distributed shared memory; the launcher adds
    that the tile's rows be few (rows x head_dim / 4 <= its consumer threads: one
-   16-byte chunk per merging thread).
+   16-byte chunk per merging thread). At most CLUSTER_MERGE_MAX_CTAS CTAs in all.
 
 Constants to be checked on the device: see perf/NOTES.md. FILL_FRACTION and MAX_SPLITS
 are first guesses from the costs above, not measurements; the short-split rule was
@@ -92,25 +90,21 @@ SHORT_KEY_SPLITS = 8
 MAX_SPLITS = 128
 
 
-def memory_bound_ctas(num_sms: int, hbm_gbs: float, head_dim: int = 128) -> int:
+def memory_bound_ctas(num_sms: int, hbm_gbs: float) -> int:
     """The CTAs (one per SM) a memory-bound forward needs to draw the GPU's bandwidth
-    (step 2b): half the SMs below ALL_SMS_FROM_GBS of peak HBM bandwidth, else all; all
-    at head dims <= 64 (step 2c)."""
-    if head_dim <= 64:
-        return num_sms
+    (step 2b): half the SMs below ALL_SMS_FROM_GBS of peak HBM bandwidth, else all."""
     return num_sms if hbm_gbs >= ALL_SMS_FROM_GBS else num_sms // 2
 
 
 def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks: int,
-                      num_sms: int = 132, max_splits: int = MAX_SPLITS, hbm_gbs: float = 3350.0,
-                      head_dim: int = 128) -> int:
+                      num_sms: int = 132, max_splits: int = MAX_SPLITS, hbm_gbs: float = 3350.0) -> int:
     """The number of splits of the keys for a forward of this shape (>= 1; 1: no split).
 
     batch, nheads_kv: the grid's batch entries and KV heads; seqlen_q_tiles: query tiles
     per (entry, KV head), with packed GQA the tiles of seqlen_q x group rows; kv_blocks:
     KV blocks (tile_n keys each) of the longest entry's keys; num_sms: the GPU's SMs
     (132 on an H100 SXM); max_splits: the cap (MAX_SPLITS); hbm_gbs: the GPU's peak HBM
-    bandwidth (an H100 SXM's by default); head_dim: the attention's (step 2c). See the module docstring for the reasoning, and
+    bandwidth (an H100 SXM's by default). See the module docstring for the reasoning, and
     for the constants still to be measured.
     """
     tiles = batch * nheads_kv * seqlen_q_tiles
@@ -119,7 +113,7 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks
     target = num_sms
     if seqlen_q_tiles == 1:
         # one query tile per head (decode): memory-bound (steps 1b, 2b)
-        target = memory_bound_ctas(num_sms, hbm_gbs, head_dim)
+        target = memory_bound_ctas(num_sms, hbm_gbs)
         if tiles >= MEMORY_BOUND_FILL_FRACTION * target:
             return 1
     by_length = kv_blocks // MIN_BLOCKS_PER_SPLIT
@@ -144,11 +138,20 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks
 CLUSTER_MERGE_MAX_SPLIT_BYTES = 1 << 20
 
 
-def merge_in_cluster(num_splits: int, kv_blocks: int, kv_block_bytes: int, max_cluster: int) -> bool:
+# The most CTAs (tiles x splits) whose splits merge in clusters: clusters of up to 8 CTAs
+# must each fit in one GPC, and past about half the SMs they no longer all fit at once.
+# Measured on an H100 (perf/NOTES.md, session 23; CUDA graphs, head dim 64, 64/8 heads,
+# one query): batch 2 x 8 splits (128 CTAs in 16 clusters of 8) 69.7 us at 32K keys and
+# 24.1 at 8K, against 58.0-58.7 and 18.7 for 64 CTAs in clusters or 256 without.
+CLUSTER_MERGE_MAX_CTAS = 64
+
+
+def merge_in_cluster(num_splits: int, kv_blocks: int, kv_block_bytes: int, max_cluster: int,
+                     tiles: int = 1) -> bool:
     """Whether num_splits splits over kv_blocks KV blocks (kv_block_bytes of K and V each)
     merge in a cluster: at most max_cluster of them, each reading at most
-    CLUSTER_MERGE_MAX_SPLIT_BYTES."""
-    if not 2 <= num_splits <= max_cluster:
+    CLUSTER_MERGE_MAX_SPLIT_BYTES, over tiles work tiles of at most
+    CLUSTER_MERGE_MAX_CTAS CTAs in all."""
+    if not 2 <= num_splits <= max_cluster or tiles * num_splits > CLUSTER_MERGE_MAX_CTAS:
         return False
     return -(-kv_blocks // num_splits) * kv_block_bytes <= CLUSTER_MERGE_MAX_SPLIT_BYTES
-

@@ -59,14 +59,17 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
                     continue  # the plain forward: built below
                 features = AttnFeatures(mask=mask, softcap=softcap, kv_lengths=kv_lengths)
                 config = default_fwd_config(dtype, d, features, pack_gqa=pack)
-                if split:  # as launcher._split_kernel builds it: merged in a cluster and not
-                    config = split_config(split_decode_config(config, d, pack))
-                    if cluster_splits_fit(config, d):
-                        jobs.append(Job("fwd", FwdKey(dtype, d, features,
-                                                      dataclasses.replace(config, cluster_splits=True))))
+                if split:  # as launcher._make_plan builds them: each decode tile merged globally and in a cluster
+                    configs = []
+                    for in_cluster in (False, True):
+                        tile = split_config(split_decode_config(config, d, pack, in_cluster))
+                        if not in_cluster:
+                            configs.append(tile)
+                        if cluster_splits_fit(tile, d):
+                            configs.append(dataclasses.replace(tile, cluster_splits=True))
                 else:  # one query per sequence, unsplit: launcher._make_plan's decode tile
-                    config = unsplit_decode_config(config, d, pack)
-                jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))
+                    configs = [unsplit_decode_config(config, d, pack)]
+                jobs += [Job("fwd", FwdKey(dtype, d, features, c)) for c in dict.fromkeys(configs)]
         for dtype, d, paged in itertools.product(dtypes, head_dims, (False, True)):
             if d in CAPABILITIES["fwd"].head_dims:
                 jobs.append(Job("append", AppendKey(dtype, d, paged)))

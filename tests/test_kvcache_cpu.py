@@ -689,29 +689,35 @@ def test_h200_decode_fills_every_sm():
     assert choose_num_splits(batch=8, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256) == 1
 
 
-def test_head_dim_64_decode_fills_every_sm_on_an_h100():
-    """Head dims <= 64 (split_heuristic, step 2c): every SM on an H100 as on an H200, so
-    batch 1 x 8 KV heads takes 16 splits and batch 2 8; head dim 128 keeps half."""
-    assert split_heuristic.memory_bound_ctas(132, 3350.0, head_dim=64) == 132
-    assert split_heuristic.memory_bound_ctas(132, 3350.0, head_dim=128) == 66
-    assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=1024, head_dim=64) == 16
-    assert choose_num_splits(batch=2, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256, head_dim=64) == 8
-    assert choose_num_splits(batch=1, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=1024, head_dim=128) == 8
-
-
-def test_split_decode_tile_at_head_dim_64():
+def test_split_decode_tiles():
     """config.split_decode_config: few packed rows at head dim <= 64 take 64 rows and four
-    stages of 128 keys (page size kept); more rows, other head dims and 64-key windows
-    keep theirs."""
+    stages of 128 keys (page size kept), merged in a cluster or not; head dim 128 takes 64
+    rows and three stages only where the splits merge in a cluster and one warpgroup
+    merges the rows (<= 4); more rows, 64-key windows and other head dims keep theirs."""
     from cute_attn.config import FwdConfig
 
     default = FwdConfig(tile_m=192, tile_n=128, num_stages=2, pack_gqa=8, page_size=16)
-    tile = split_decode_config(default, 64, 8)
-    assert (tile.tile_m, tile.tile_n, tile.num_stages, tile.pack_gqa, tile.page_size) == (64, 128, 4, 8, 16)
-    assert split_decode_config(default, 64, 65) is default
-    assert split_decode_config(default, 128, 8) is default
+    for in_cluster in (False, True):
+        tile = split_decode_config(default, 64, 8, in_cluster)
+        assert (tile.tile_m, tile.tile_n, tile.num_stages, tile.pack_gqa, tile.page_size) == (64, 128, 4, 8, 16)
+        assert split_decode_config(default, 64, 65, in_cluster) is default
     local = FwdConfig(tile_m=192, tile_n=64, num_stages=2, pack_gqa=8)
-    assert split_decode_config(local, 64, 8) is local
+    assert split_decode_config(local, 64, 8, True) is local
+    hd128 = FwdConfig(tile_m=128, tile_n=128, num_stages=2, pack_gqa=4)
+    tile = split_decode_config(hd128, 128, 4, True)
+    assert (tile.tile_m, tile.tile_n, tile.num_stages, tile.pack_gqa) == (64, 128, 3, 4)
+    assert split_decode_config(hd128, 128, 4, False) is hd128
+    assert split_decode_config(hd128, 128, 8, True) is hd128
+    assert split_decode_config(hd128, 256, 4, True) is hd128
+
+
+def test_cluster_merge_holds_at_most_half_the_sms():
+    """split_heuristic.CLUSTER_MERGE_MAX_CTAS: 8 tiles x 8 splits merge in clusters, 16
+    tiles x 8 do not (measured: clusters of 8 past 64 CTAs no longer all fit at once)."""
+    block = 2 * 128 * 64 * 2
+    assert split_heuristic.merge_in_cluster(8, 64, block, 8, tiles=8)
+    assert not split_heuristic.merge_in_cluster(8, 64, block, 8, tiles=16)
+    assert split_heuristic.merge_in_cluster(4, 64, block, 8, tiles=16)
 
 
 def test_short_keys_are_not_split():
@@ -826,8 +832,8 @@ def test_split_merge_in_a_cluster_where_splits_are_short():
 
 @pytest.mark.parametrize("shape,cluster", [
     ((1, 1, 2048, 32, 8, 128), True),    # 8 splits of 2 blocks: one query, few rows
-    ((1, 1, 2048, 64, 8, 64), True),     # head dim 64's 64-row tile: 8 rows x 16 chunks
-    ((1, 1, 8192, 64, 8, 64), False),    # head dim 64 takes 16 splits: more than a cluster
+    ((1, 1, 8192, 64, 8, 64), True),     # head dim 64's 64-row tile: 8 rows x 16 chunks
+    ((2, 1, 32768, 64, 8, 64), False),   # 4 splits of 2 MB
     ((1, 1, 32768, 32, 8, 128), False),  # 8 splits of 2 MB: the global merge streams faster
     ((1, 8, 8192, 64, 8, 128), False),   # 64 rows x 32 chunks: more than one item per thread
 ])
@@ -844,5 +850,5 @@ def test_launcher_merges_in_a_cluster_only_where_measured(shape, cluster):
     config = launcher._default_fwd_config(q, k, features)
     splits = launcher.choose_splits(q, k, features, args, config)
     assert splits > 1
-    config = split_decode_config(config, d, sq * config.pack_gqa)  # as launcher._make_plan
-    assert launcher._cluster_merge(q, k, features, args, config, splits) is cluster
+    plan = launcher._make_plan(q, k, features, args, None, None)
+    assert plan.num_splits == splits and plan.cluster_merge is cluster

@@ -11,6 +11,7 @@ import torch
 
 import cute_attn
 from cute_attn import launcher
+from cute_attn.config import split_decode_config
 from gpu_checks import Case, check_forward, check_grads, kernel_grads, make_inputs, run_forward
 from gpu_helpers import exact_fp32_matmul, forget_bound_launches  # noqa: F401  (autouse)
 
@@ -113,8 +114,10 @@ def test_cluster_merge_equals_the_global_merge(case, forced_splits, monkeypatch)
     """The same split forward merged in a thread-block cluster (FwdConfig.cluster_splits)
     and through global memory: the two fold the same partials in the same order, so the
     outputs and LSEs are bit-identical (an indexing slip in either shows here), and both
-    match the reference."""
+    match the reference. Both run the tile a cluster merge takes (split_decode_config)."""
     results = []
+    monkeypatch.setattr(launcher, "split_decode_config",
+                        lambda cfg, head_dim, rows, in_cluster: split_decode_config(cfg, head_dim, rows, True))
     for cluster in (True, False):
         forced_splits(5)  # also forgets the cached plans, which hold the merge choice
         monkeypatch.setattr(launcher, "_cluster_merge", lambda *args, cluster=cluster: cluster)

@@ -76,11 +76,15 @@ def test_decode_plan_adds_the_inference_kernels():
     assert _keys(base) <= _keys(jobs)
     fwd = [j.key for j in extra if j.family == "fwd"]
     # (dense split, kv_lengths unsplit, kv_lengths split) x packs 1 and 4, each split merged
-    # in a cluster (FwdConfig.cluster_splits, fits at head dim 128) and through global memory
-    assert len(fwd) == 10 and len(set(fwd)) == 10
-    assert {(k.features.kv_lengths, k.config.split_kv, k.config.pack_gqa, k.config.cluster_splits) for k in fwd} == {
-        (kv, split, pack, cluster) for kv in (False, True) for split in (False, True) for pack in (1, 4)
-        for cluster in (False, True) if (kv or split) and (split or not cluster)}
+    # in a cluster (FwdConfig.cluster_splits, fits at head dim 128) and through global
+    # memory, and the 64-row tile of config.split_decode_config merged in a cluster; the
+    # unsplit packed tile has 64 rows (config.unsplit_decode_config)
+    assert len(fwd) == 14 and len(set(fwd)) == 14
+    split = {(kv, True, pack, cluster, tile_m) for kv in (False, True) for pack in (1, 4)
+             for cluster, tile_m in ((False, 128), (True, 128), (True, 64))}
+    unsplit = {(True, False, 1, False, 128), (True, False, 4, False, 64)}
+    assert {(k.features.kv_lengths, k.config.split_kv, k.config.pack_gqa, k.config.cluster_splits,
+             k.config.tile_m) for k in fwd} == split | unsplit
     from cute_attn.launcher import AppendKey
 
     assert [j.key for j in extra if j.family == "append"] == [AppendKey("bf16", 128, False),
@@ -98,7 +102,7 @@ def test_decode_plan_builds_the_launchers_split_keys_on_a_gpu_host(monkeypatch):
     import torch
 
     from cute_attn import launcher, tuning
-    from cute_attn.config import AttnFeatures, split_config
+    from cute_attn.config import AttnFeatures, split_config, split_decode_config
 
     monkeypatch.setattr(tuning, "gpu_sm_count", lambda index=None: 132)
     monkeypatch.setattr(tuning, "gpu_name", lambda index=None: None)
@@ -108,9 +112,12 @@ def test_decode_plan_builds_the_launchers_split_keys_on_a_gpu_host(monkeypatch):
     assert plain.persistent_ctas == 132 and plain.tile_queue
     splits = [j.key for j in jobs if j.family == "fwd" and j.key.config.split_kv and not j.key.features.kv_lengths]
     clustered = dataclasses.replace(split_config(plain), cluster_splits=True)
-    assert [k.config for k in splits] == [clustered, split_config(plain)]
+    decode_tile = split_decode_config(plain, 128, 1, in_cluster=True)  # 64 rows, merged in a cluster
+    assert [k.config for k in splits] == [split_config(plain), clustered,
+                                          dataclasses.replace(split_config(decode_tile), cluster_splits=True)]
     monkeypatch.setattr(launcher, "get_fwd_kernel", lambda key: key)
     monkeypatch.setattr(launcher, "_split_kernels", {})
     q = torch.empty(1, 64, 4, 128, dtype=torch.bfloat16)
-    assert launcher._split_kernel(q, dense, plain) == splits[1]
-    assert launcher._split_kernel(q, dense, plain, cluster=True) == splits[0]
+    assert launcher._split_kernel(q, dense, plain) == splits[0]
+    assert launcher._split_kernel(q, dense, plain, cluster=True) == splits[1]
+    assert launcher._split_kernel(q, dense, decode_tile, cluster=True) == splits[2]
