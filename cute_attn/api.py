@@ -161,9 +161,11 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale:
 
 def _plain_signature(q, k, v, causal, softmax_scale):
     # every input of validate_fwd_inputs but the addresses; get_device() (an int) is ~3x
-    # cheaper than .device (a new torch.device per read)
+    # cheaper than .device (a new torch.device per read), and with is_cuda it names the
+    # device (another accelerator's index 0 is not cuda:0)
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.get_device(), k.get_device(), v.get_device(), causal, softmax_scale)
+            q.get_device(), k.get_device(), v.get_device(), q.is_cuda and k.is_cuda and v.is_cuda,
+            causal, softmax_scale)
 
 
 def _mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,

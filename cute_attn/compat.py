@@ -79,8 +79,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     with_probs = _checked_bool("return_attn_probs", return_attn_probs)
-    result = mha(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                 softcap=softcap, return_lse=with_probs, deterministic=deterministic, dropout_p=dropout_p)
+    result = mha(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=with_probs,
+                 deterministic=deterministic, **_set_options(window_size, softcap, dropout_p))
     return _fa2_result(result, with_probs)
 
 
@@ -285,8 +285,8 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
         )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"sdpa: dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
-    # mha's dropout (its checks: [0, 1)); the default passes nothing, mha's fast path
-    extra = {} if dropout_p == 0 else {"dropout_p": float(dropout_p)}
+    # mha's dropout (its checks: [0, 1)); the default passes nothing (_set_options)
+    dropout_p = 0.0 if dropout_p == 0 else float(dropout_p)
     is_causal = _checked_bool("is_causal", is_causal)
     enable_gqa = _checked_bool("enable_gqa", enable_gqa)
     heads, heads_k, heads_v = query.shape[1], key.shape[1], value.shape[1]
@@ -321,8 +321,22 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
                     "(config.UNBOUNDED) cannot be expressed as a window"
                 )
             window = (-1, right)
-    out = mha(q, k, v, causal=causal, softmax_scale=scale, window_size=window, **extra)
+    out = mha(q, k, v, causal=causal, softmax_scale=scale, **_set_options(window, 0.0, dropout_p))
     return out.transpose(1, 2)
+
+
+def _set_options(window_size, softcap, dropout_p) -> dict:
+    """The options of mha that differ from its defaults: a call that passes none takes
+    mha's signature fast path (api.mha: one empty **options test), so a default must not be
+    passed explicitly. What is passed is passed unchanged, for mha's own checks."""
+    options = {}
+    if window_size is not _NO_WINDOW:
+        options["window_size"] = window_size
+    if not (type(softcap) is float and softcap == 0.0):
+        options["softcap"] = softcap
+    if not (type(dropout_p) is float and dropout_p == 0.0):
+        options["dropout_p"] = dropout_p
+    return options
 
 
 def _checked_bool(name, value):

@@ -523,3 +523,23 @@ def test_flash_attn_varlen_func_passes_dropout_to_mha_varlen(monkeypatch):
     q, k, v, cu_q, cu_k, max_q, max_k = _packed([3, 5], [4, 6])
     cute_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.25, causal=True)
     assert calls[0]["dropout_p"] == 0.25 and calls[0]["causal"] is True
+
+
+def test_plain_drop_in_calls_take_mhas_fast_path(monkeypatch):
+    """flash_attn_func and sdpa pass mha only the options that differ from its defaults,
+    so their plain calls reach mha's signature fast path (api._plain_calls); a window or
+    softcap goes to the full path."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    answered = []
+    monkeypatch.setattr(api, "_plain_calls", {})
+    api._plain_calls[api._plain_signature(q, k, v, True, None)] = lambda *args: answered.append(args) or q
+    cute_attn.flash_attn_func(q, k, v, causal=True)
+    query, key, value = (t.transpose(1, 2) for t in (q, k, v))
+    cute_attn.sdpa(query, key, value, is_causal=True)  # (its transposes are q, k, v again)
+    assert len(answered) == 2
+    with pytest.raises(ValueError, match="is on cpu"):  # the full path's checks ran
+        cute_attn.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+    with pytest.raises(ValueError, match="is on cpu"):
+        cute_attn.flash_attn_func(q, k, v, window_size=(2, 0))
+    assert len(answered) == 2
