@@ -145,17 +145,18 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale:
     # fourteen default comparisons (~1 us of a ~15 us call; perf/NOTES.md, host path);
     # mha.__signature__ still shows every argument. The identity tests keep a 1 or a
     # numpy bool from matching a True key (validation refuses them).
-    if not options and not _is_compiling() and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor \
-            and (causal is True or causal is False) and (return_lse is True or return_lse is False) \
-            and (deterministic is True or deterministic is False) \
-            and (softmax_scale is None or type(softmax_scale) is float):
+    plain = not options and not _is_compiling() and type(q) is Tensor and type(k) is Tensor \
+        and type(v) is Tensor and (causal is True or causal is False) \
+        and (return_lse is True or return_lse is False) and (deterministic is True or deterministic is False) \
+        and (softmax_scale is None or type(softmax_scale) is float)
+    if plain:
         call = _plain_calls.get(_plain_signature(q, k, v, causal, softmax_scale))
         # what a signature leaves open: the addresses (TMA needs 16-byte ones; every 16-bit
         # policy's align_bytes) and a negative-bit view of the same layout
         if call is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 \
                 and not (q.is_neg() or k.is_neg() or v.is_neg()):
             return call(q, k, v, return_lse, deterministic)
-    return _mha(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+    return _mha(q, k, v, plain, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                 deterministic=deterministic, **options)
 
 
@@ -168,7 +169,7 @@ def _plain_signature(q, k, v, causal, softmax_scale):
             causal, softmax_scale)
 
 
-def _mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+def _mha(q: Tensor, k: Tensor, v: Tensor, plain: bool, *, causal: bool = False,
         softmax_scale: Optional[float] = None, window_size: tuple[int, int] = _NO_WINDOW,
         softcap: float = 0.0, return_lse: bool = False,
         deterministic: bool = False, q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
@@ -177,16 +178,8 @@ def _mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         aux_tensors: Sequence[Tensor] = (), block_mask: Optional[BlockMask] = None,
         learnable_sink: Optional[Tensor] = None, dropout_p: float = 0.0,
         dropout_seed: Optional[Tensor] = None) -> Union[Tensor, _TensorPair]:
-    """mha with every argument named (the public mha's slow path; its docstring)."""
-    plain = not _is_compiling() and window_size is _NO_WINDOW and type(softcap) is float and softcap == 0.0 \
-        and type(dropout_p) is float and dropout_p == 0.0 and q_descale is None and k_descale is None \
-        and v_descale is None and out_dtype is None and mask_mod is None and score_mod is None \
-        and block_mask is None and learnable_sink is None and dropout_seed is None \
-        and type(aux_tensors) is tuple and not aux_tensors \
-        and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor \
-        and (causal is True or causal is False) and (return_lse is True or return_lse is False) \
-        and (deterministic is True or deterministic is False) \
-        and (softmax_scale is None or type(softmax_scale) is float)
+    """mha with every argument named (the public mha's slow path; its docstring). plain:
+    mha's test that this call may take its fast path next time (then it is remembered)."""
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
     dropout_p = _checked_dropout_p(dropout_p, dropout_seed)
@@ -213,8 +206,10 @@ def _mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     return _run(q, k, v, features, run_args, deterministic, return_lse, no_kernel)
 
 
-# help(mha) and inspect show every argument, not **options
-mha.__signature__ = inspect.signature(_mha)
+# help(mha) and inspect show every argument, not **options (nor _mha's plain)
+_full_signature = inspect.signature(_mha)
+mha.__signature__ = _full_signature.replace(
+    parameters=[p for p in _full_signature.parameters.values() if p.name != "plain"])
 
 
 class _PlainCall:

@@ -419,6 +419,14 @@ def cluster_splits_fit(config: FwdConfig, head_dim: int, elem_bytes: int = 2) ->
     return k_bytes % 1024 == 0 and config.tile_m * head_dim * 4 <= 2 * k_bytes
 
 
+def cluster_merge_rows_fit(config: FwdConfig, packed_rows: int, head_dim: int) -> bool:
+    """Whether a cluster merge of config's tile gives each merging thread at most one
+    (row, 16-byte chunk) item: with more, split 0 walks its items one distributed-shared-
+    memory round trip after the other (8 queries x 64/8 heads: do_bench 0.942x, graph
+    1.014x; perf/NOTES.md session 22). Decode's few packed rows fit."""
+    return packed_rows * head_dim // 4 <= 128 * config.num_mma_warpgroups
+
+
 def split_config(config: FwdConfig) -> FwdConfig:
     """The split-KV forward of a config (launcher._split_kernel, warmup): a split grid
     is sized to fill the GPU already, so it is never persistent."""
@@ -476,10 +484,14 @@ def split_decode_config(config: FwdConfig, head_dim: int, packed_rows: int, in_c
     if packed_rows > 64 or config.tile_n != 128 or config.split_kv:
         return config
     if head_dim <= 64:
-        return FwdConfig(tile_m=64, tile_n=128, num_stages=4, pack_gqa=config.pack_gqa, page_size=config.page_size)
-    if head_dim == 128 and in_cluster and packed_rows * head_dim // 4 <= 128:
-        return FwdConfig(tile_m=64, tile_n=128, num_stages=3, pack_gqa=config.pack_gqa, page_size=config.page_size)
-    return config
+        stages = 4
+    elif head_dim == 128 and in_cluster:
+        stages = 3
+    else:
+        return config
+    tile = FwdConfig(tile_m=64, tile_n=128, num_stages=stages, pack_gqa=config.pack_gqa, page_size=config.page_size)
+    # head dim 128's tile only where it keeps the cluster merge
+    return tile if head_dim <= 64 or cluster_merge_rows_fit(tile, packed_rows, head_dim) else config
 
 
 def mod_fwd_config_for(head_dim: int) -> FwdConfig:

@@ -33,6 +33,7 @@ from cute_attn.config import (
     FwdConfig,
     RunArgs,
     bwd_config_for,
+    cluster_merge_rows_fit,
     cluster_splits_fit,
     fp8_fwd_config_for,
     fwd_config_for,
@@ -699,8 +700,7 @@ def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[Fwd
         cluster = _cluster_merge(q, k, features, args, config, num_splits)
         if defaulted and q.dtype in (torch.bfloat16, torch.float16):
             # a short packed tile: 64 rows and deeper rings (config.split_decode_config)
-            seqlen_q = args.max_seqlen_q if features.varlen else q.shape[1]
-            tile = split_decode_config(config, q.shape[-1], seqlen_q * config.pack_gqa, cluster)
+            tile = split_decode_config(config, q.shape[-1], _packed_rows(q, features, args, config), cluster)
             if tile is not config:
                 config, cluster = tile, _cluster_merge(q, k, features, args, tile, num_splits)
         return _Plan(_split_kernel(q, features, config, cluster), num_splits, _work_tiles(q, features, args, config),
@@ -834,18 +834,19 @@ def _max_seqlen_k(q, k, features: AttnFeatures, args: RunArgs) -> int:
     return k.shape[1] if args.page_table is None else args.page_table.shape[1] * k.shape[1]
 
 
+def _packed_rows(q, features: AttnFeatures, args: RunArgs, config: FwdConfig) -> int:
+    """Rows of a query tile's work: the longest query sequence times the GQA heads packed."""
+    return (args.max_seqlen_q if features.varlen else q.shape[1]) * config.pack_gqa
+
+
 def _cluster_merge(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig, num_splits: int) -> bool:
     """Whether this call's splits merge in a thread-block cluster (FwdConfig.cluster_splits):
-    the partial tile fits the K/V rings, its rows are few (below) and
+    the partial tile fits the K/V rings, its rows are few (config.cluster_merge_rows_fit) and
     split_heuristic.merge_in_cluster says so."""
     head_dim = q.shape[-1]
     if not cluster_splits_fit(split_config(config), head_dim, q.element_size()):
         return False
-    # one (row, 16-byte chunk) item per merging thread (decode's few packed rows): with
-    # more, split 0 walks its items one distributed-shared-memory round trip after the
-    # other (8 queries x 64/8 heads: do_bench 0.942x, graph 1.014x; perf/NOTES.md session 22)
-    seqlen_q = args.max_seqlen_q if features.varlen else q.shape[1]
-    if seqlen_q * config.pack_gqa * head_dim // 4 > 128 * config.num_mma_warpgroups:
+    if not cluster_merge_rows_fit(config, _packed_rows(q, features, args, config), head_dim):
         return False
     kv_blocks = -(-_max_seqlen_k(q, k, features, args) // config.tile_n)
     return split_heuristic.merge_in_cluster(num_splits, kv_blocks, 2 * config.tile_n * head_dim * k.element_size(),
