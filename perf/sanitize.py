@@ -98,6 +98,11 @@ CASES = (
     # batch 1, one query, 3000 keys: a grid of 2 CTAs, so mha takes split-KV + the combine
     Case("split-decode-gqa", batch=1, seqlen_q=1, seqlen_k=3000, nheads=8, nheads_kv=2,
          causal=True, backward=False),
+    # head dim 64 decode: the split tile of config.split_decode_config (64 rows, 4 stages)
+    Case("split-decode-hd64-gqa", batch=2, seqlen_q=1, seqlen_k=3000, nheads=16, nheads_kv=2, head_dim=64,
+         causal=True, backward=False),
+    Case("kvcache-paged16-hd64", batch=2, seqlen_q=1, seqlen_k=704, nheads=16, nheads_kv=2, head_dim=64,
+         causal=True, backward=False, kvcache=True, num_splits=3, page_size=16),
     # per-entry lengths read on the device, in-place append, forced 3 splits + combine
     Case("kvcache-append-split", batch=3, seqlen_q=2, seqlen_k=700, nheads=8, nheads_kv=2,
          causal=True, backward=False, kvcache=True, num_splits=3),
