@@ -462,8 +462,10 @@ def test_page_size_must_nest_with_the_kv_block():
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_fp8_forward_compiles_with_e4m3_wgmma(head_dim, mask):
     """Both GEMMs run as e4m3 WGMMAs (K = 32) with fp32 accumulators; P is converted with
-    saturating e4m3x2 conversions and moved into the A layout by quad shuffles and byte
-    permutes (blocks/fp8_operand.py); the output leaves as bf16; nothing spills."""
+    saturating e4m3x2 conversions and put into the A layout by byte permutes alone, V^T's
+    keys being in the order of P's registers (FwdConfig.fp8_v_permuted, blocks/
+    fp8_operand.py): no shuffle with a computed lane, which V^T in key order needs; the
+    output leaves as bf16; nothing spills."""
     from cute_attn.config import fp8_fwd_config_for
 
     features = AttnFeatures(mask=mask)
@@ -473,10 +475,44 @@ def test_fp8_forward_compiles_with_e4m3_wgmma(head_dim, mask):
     assert ".target sm_90a" in ptx
     assert f"wgmma.mma_async.sync.aligned.m64n{config.tile_n}k32.f32.e4m3.e4m3" in ptx  # S = Q K^T
     assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k32.f32.e4m3.e4m3" in ptx  # O += P V
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt.b32" in ptx and "shfl.sync.idx" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt.b32" in ptx
+    assert config.fp8_v_permuted and not re.search(_LANE_FROM_REGISTER, ptx)
     assert "cvt.rn.bf16x2.f32" in ptx
     if art.cubin is not None:
         assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
+
+
+# a shuffle whose source lane is computed (P's quad exchange), not a constant broadcast
+_LANE_FROM_REGISTER = r"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, %r\d+"
+
+
+def test_fp8_forward_with_v_in_key_order_shuffles_p():
+    """fp8_v_permuted off: V^T in key order, so P's pairs move within each quad by
+    shuffles (the other conversion of blocks/fp8_operand.py)."""
+    import dataclasses
+
+    from cute_attn.config import fp8_fwd_config_for
+
+    features = AttnFeatures(mask="causal")
+    config = dataclasses.replace(fp8_fwd_config_for(128, features), fp8_v_permuted=False)
+    ptx = ptx_tool.compile_fwd_artifacts("e4m3", 128, features, config).ptx
+    assert re.search(_LANE_FROM_REGISTER, ptx)
+
+
+def test_v_permutation_puts_each_threads_pairs_in_its_operand_words():
+    """blocks/fp8_operand.V_PERMUTATION against the two register layouts it joins: thread
+    t of a quad holds QK^T's accumulator columns 8g + 2t, 8g + 2t + 1 (g = 0..3 of a 32-key
+    step) and the FP8 A operand's positions 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3; its
+    words, unshuffled, put the pairs of groups (0, 1) in the first and (2, 3) in the second,
+    so V^T column p must hold the key that lands at position p."""
+    from cute_attn.blocks.fp8_operand import V_PERMUTATION
+
+    perm32 = V_PERMUTATION + tuple(16 + k for k in V_PERMUTATION)
+    for t in range(4):
+        held = [8 * g + 2 * t + i for g in range(4) for i in range(2)]  # accumulator order
+        positions = [4 * t + j for j in range(4)] + [16 + 4 * t + j for j in range(4)]
+        assert [perm32[p] for p in positions] == held
+    assert sorted(perm32) == list(range(32))
 
 
 @pytest.mark.parametrize("head_dim, mask", [(128, "causal"), (256, "none")])
@@ -497,11 +533,13 @@ def test_fp8_forward_with_a_sink_compiles(head_dim, mask):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_fp8_v_transpose_compiles_with_16_byte_accesses(varlen):
-    """kernels/v_transpose.py: rows in and columns out in 16-byte global accesses."""
+@pytest.mark.parametrize("permute_keys", [False, True])
+def test_fp8_v_transpose_compiles_with_16_byte_accesses(varlen, permute_keys):
+    """kernels/v_transpose.py: rows in and columns out in 16-byte global accesses, with
+    the keys in order or permuted (the permutation is in the shared-memory reads)."""
     from cute_attn import launcher
 
-    ptx = launcher.compile_transpose(launcher.TransposeKey(128, varlen), "--keep-ptx").__ptx__
+    ptx = launcher.compile_transpose(launcher.TransposeKey(128, varlen, permute_keys), "--keep-ptx").__ptx__
     assert ".target sm_90a" in ptx
     assert ptx.count("ld.global.v4.b32") >= 1 and ptx.count("st.global.v4.b32") >= 1
     assert "ld.global.u8" not in ptx and "st.global.u8" not in ptx

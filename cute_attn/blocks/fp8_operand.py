@@ -20,10 +20,15 @@ shuffle lets a source pre-select what its destination wants from its own lane pa
 
 and each shuffled 32-bit word carries a pair for the lower and one for the upper 16 keys.
 Per row and 32 keys: 2 shuffles and 6 byte permutes (prmt) after the conversion, against
-16 exp2 and 16 FMAs of the softmax for the same values. (Permuting V's keys instead would
-need no shuffle, but a 16-key permutation of V's rows cannot be expressed as a TMA box, and
-a host-side permuted copy would tie V's key groups to absolute positions, which packed
-variable-length sequences do not respect.)
+16 exp2 and 16 FMAs of the softmax for the same values (scores_to_fp8_operand_a).
+
+Or V's keys are permuted instead (scores_to_fp8_operand_a_v_permuted): the PV GEMM sums
+over its K positions, so any order of the keys serves if P and V agree on it. Let thread
+t's own words be the A operand as they stand: position 4t + 2a + b of each aligned 16-key
+group then holds key 2t + b + 8a (V_PERMUTATION), and V^T's columns are written in that
+order by the transpose that FP8 needs anyway (kernels/v_transpose.py), per sequence and
+from each sequence's first key, so the groups line up with every KV block (tile_n is a
+multiple of 32). No shuffle: 2 byte permutes per row and 32 keys.
 """
 
 import cutlass
@@ -34,6 +39,10 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 # prmt selectors: the 16-bit halves (lo, lo) / (hi, hi) of two words, and swapped
 _LO_LO, _HI_HI, _LO_LO_SWAPPED, _HI_HI_SWAPPED = 0x5410, 0x7632, 0x1054, 0x3276
+
+# The key order of V^T that scores_to_fp8_operand_a_v_permuted expects: within each aligned
+# group of 16 keys, column c holds key V_PERMUTATION[c] (c = 4t + 2a + b -> 2t + b + 8a).
+V_PERMUTATION = tuple(2 * (c // 4) + c % 2 + 8 * ((c // 2) % 2) for c in range(16))
 
 
 @dsl_user_op
@@ -91,3 +100,20 @@ def scores_to_fp8_operand_a(acc_S: cute.Tensor, tOrP: cute.Tensor):
             got2 = cute.arch.shuffle_sync(byte_perm(x, y, send2), src2)
             dst[h + 4 * kb] = byte_perm(got1, got2, take_lo)
             dst[h + 2 + 4 * kb] = byte_perm(got1, got2, take_hi)
+
+
+@cute.jit
+def scores_to_fp8_operand_a_v_permuted(acc_S: cute.Tensor, tOrP: cute.Tensor):
+    """As scores_to_fp8_operand_a, for a V^T whose keys are in V_PERMUTATION's order: word
+    h + 2 * half + 4 * kb of tOrP holds row half h, this thread's own pairs of key groups
+    (2 half, 2 half + 1) of the 32-key slice kb, i.e. A positions 32 kb + 16 half + 4t ..
+    + 3 = keys 32 kb + 16 half + (2t, 2t + 1, 8 + 2t, 9 + 2t)."""
+    p8 = cute.make_rmem_tensor_like(acc_S, tOrP.element_type)
+    p8.store(acc_S.load().to(tOrP.element_type))
+    src = _words(p8)  # word g: (row r, row r + 8) x (key 8g + 2t, + 1)
+    dst = _words(tOrP)
+    for kb in cutlass.range_constexpr(cute.size(dst) // 4):
+        for h in cutlass.range_constexpr(2):
+            row_half = Int32(_LO_LO if h == 0 else _HI_HI)
+            dst[h + 4 * kb] = byte_perm(src[4 * kb], src[4 * kb + 1], row_half)
+            dst[h + 2 + 4 * kb] = byte_perm(src[4 * kb + 2], src[4 * kb + 3], row_half)
