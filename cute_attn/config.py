@@ -265,10 +265,6 @@ class FwdConfig(_WarpSpecialized):
     # converted to e4m3 while block j-1's PV WGMMA still reads the other one (the bulk of
     # unmasked blocks, taken in pairs); off: the conversion waits for that WGMMA.
     p_double_buffer: bool = False
-    # FP8: V^T's keys permuted within each 16-key group (launcher.transpose_v_fp8) into the
-    # order in which the QK^T accumulator's registers already are the PV WGMMA's A operand,
-    # so P's conversion needs no shuffle (blocks/fp8_operand.py); off: V^T in key order.
-    fp8_v_permuted: bool = False
     # A persistent grid of this many CTAs (the GPU's SM count: one CTA fills an SM), each
     # looping over work tiles (blocks/tile_scheduler.py), so that a tile's epilogue runs
     # while the next tile's K, V and Q load; 0: one tile per CTA. O gets a shared buffer
@@ -362,8 +358,6 @@ def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1)
     else:
         # a window with a softcap spilled 252 bytes at 128 keys per block (ptxas)
         cfg = FwdConfig(tile_m=128, tile_n=64 if features.local else 128, num_stages=2)
-    # V^T's keys in the order of P's registers: no shuffles in P's conversion (session 24)
-    cfg = dataclasses.replace(cfg, fp8_v_permuted=True)
     return cfg if pack_gqa == 1 else dataclasses.replace(cfg, pack_gqa=pack_gqa)
 
 

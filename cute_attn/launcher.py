@@ -502,7 +502,6 @@ def bind_fwd(q, k, features: AttnFeatures, args: RunArgs, num_splits: Optional[i
 class TransposeKey:
     head_dim: int
     varlen: bool
-    permute_keys: bool = False  # FwdConfig.fp8_v_permuted's key order (kernels/v_transpose.py)
     arch: str = ARCH
 
 
@@ -526,12 +525,11 @@ def compile_transpose(key: TransposeKey, extra_options: str = ""):
                                       assumed_align=16)
     v_t = cute.runtime.make_fake_tensor(cutlass.Uint8, (n.batch, n.heads_kv, d, cute.sym_int32(symbol="padded")),
                                         stride=strides("v_t"), assumed_align=16)
-    return _compile(TransposeV(d, key.varlen, key.permute_keys), (v, v_t, _fake_cu_seqlens("cu_seqlens_k"), _fake_stream()),
+    return _compile(TransposeV(d, key.varlen), (v, v_t, _fake_cu_seqlens("cu_seqlens_k"), _fake_stream()),
                     extra_options, key)
 
 
-def transpose_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_k: int = 0,
-                    permute_keys: bool = False):
+def transpose_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_k: int = 0):
     """V as the FP8 kernel reads it, by kernels/v_transpose.py: FP8 WGMMA takes only
     K-major operands and the K of P V is the key, so V must be key-contiguous in shared
     memory; one read and one write of V (1 byte per element), against the forward's two
@@ -542,22 +540,22 @@ def transpose_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None
     permuted view). Packed varlen V (total, heads, head_dim) with its cu_seqlens_k: returns
     a dense (batch, max_seqlen_k, heads, head_dim) view of that kind, sequence b's keys at
     entry b (the kernel module says why). The seqlen stride is padded to 16 elements (TMA:
-    16-byte strides); the padding is outside the view, never read.
+    16-byte strides).
 
-    permute_keys: each aligned group of 16 key columns in blocks/fp8_operand.V_PERMUTATION's
-    order (the forward's FwdConfig.fp8_v_permuted), and the view runs to the padded length:
-    a group's last keys may sit in columns past seqlen (the zeros of keys past it in columns
-    before), so the forward's tensor map must reach them."""
+    Each aligned group of 16 key columns holds its keys in blocks/fp8_operand.
+    V_PERMUTATION's order (the order of P's registers in the forward), so the view runs to
+    the padded length: a group's last keys may sit in columns past seqlen (and zeros, the
+    keys past seqlen, in columns before it), and the forward's tensor map must reach them."""
     head_dim, heads = v.shape[-1], v.shape[-2]
     varlen = cu_seqlens_k is not None
     seqlen = max_seqlen_k if varlen else v.shape[1]
     batch = cu_seqlens_k.shape[0] - 1 if varlen else v.shape[0]
     padded = -(-seqlen // 16) * 16
     buf = torch.empty((batch, heads, head_dim, padded), dtype=torch.uint8, device=v.device)
-    fn = _cached(TransposeKey(head_dim, varlen, permute_keys), _from_disk_or_compiled(compile_transpose, _raw))
+    fn = _cached(TransposeKey(head_dim, varlen), _from_disk_or_compiled(compile_transpose, _raw))
     fn((v[None] if varlen else v).view(torch.uint8), buf,
        cu_seqlens_k if varlen else _unused_cu_seqlens(v.device))
-    return buf.view(v.dtype)[..., :padded if permute_keys else seqlen].movedim(-1, -3)
+    return buf.view(v.dtype)[..., :padded].movedim(-1, -3)
 
 
 def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs, need_lse: bool = True,
@@ -584,11 +582,10 @@ def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs
             ds = ones
         scales.append(ds)
     q4, k4, _, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
-    permute_keys = key.config.fp8_v_permuted
     if features.varlen:
-        vt4 = transpose_v_fp8(v, args.cu_seqlens_k, args.max_seqlen_k, permute_keys)
+        vt4 = transpose_v_fp8(v, args.cu_seqlens_k, args.max_seqlen_k)
     else:
-        vt4 = transpose_v_fp8(v, permute_keys=permute_keys)
+        vt4 = transpose_v_fp8(v)
     out4, lse3 = (out[None], lse[None]) if features.varlen else (out, lse)
     if sink is None:
         sink = _placeholder(q.device, (1,)).view(torch.float32)

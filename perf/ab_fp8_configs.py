@@ -12,7 +12,6 @@ Variants ((head dim, features) -> a config, None where it does not apply):
     pdouble / psingle  the default with p_double_buffer on / off
     192x96, 192x128    three consumer warpgroups
     s3                 the default with three stages
-    vperm / vplain     V^T's keys in P's register order (no shuffles) / in key order
 """
 import dataclasses
 import sys
@@ -31,8 +30,6 @@ VARIANTS = {
     "192x96": lambda d, f: FwdConfig(tile_m=192, tile_n=96, num_stages=2) if d == 128 else None,
     "192x128": lambda d, f: FwdConfig(tile_m=192, tile_n=128, num_stages=2) if d == 128 else None,
     "s3": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), num_stages=3),
-    "vperm": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), fp8_v_permuted=True),
-    "vplain": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), fp8_v_permuted=False),
 }
 
 
@@ -49,10 +46,9 @@ def main():
             cu = launcher._unused_cu_seqlens(q.device)
             out, lse = torch.empty_like(q), torch.empty(1, h, s, device="cuda")
             q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
-            # V^T as each config's kernel reads it (FwdConfig.fp8_v_permuted)
-            call_args = {perm: (q8, k8, launcher.transpose_v_fp8(v8, permute_keys=perm), out, lse, cu, cu, qd, kd,
-                                vd, args.max_seqlen_q, args.softmax_scale, 0.0, *args.window)
-                         for perm in (False, True)}
+            sink = launcher._placeholder(q.device, (1,)).view(torch.float32)  # no sink (unread)
+            call_args = (q8, k8, launcher.transpose_v_fp8(v8), out, lse, cu, cu, qd, kd, vd, sink,
+                         args.max_seqlen_q, args.softmax_scale, 0.0, *args.window)
             configs = {"default": fp8_fwd_config_for(d, feat)}
             configs.update({n: c for n in names if (c := VARIANTS[n](d, feat)) is not None})
             fns, outs = {}, {}
@@ -60,14 +56,14 @@ def main():
                 try:
                     fn = launcher.compile_fwd(launcher.FwdKey("e4m3", d, feat, cfg))
                     out.fill_(float("nan"))
-                    fn(*call_args[cfg.fp8_v_permuted])
+                    fn(*call_args)
                     torch.cuda.synchronize()
-                    fns[name], outs[name] = (lambda f, a: lambda: f(*a))(fn, call_args[cfg.fp8_v_permuted]), out.clone()
+                    fns[name], outs[name] = fn, out.clone()
                 except Exception as exc:  # noqa: BLE001 - a config that does not build or launch
                     print(f"  {name}: {harness.reason(exc)}")
             diffs = {n: (o.float() - outs["default"].float()).abs().max().item() for n, o in outs.items()}
             flops = 4 * h * s * s * d / (2 if causal else 1)
-            timers = {n: (lambda f: lambda: harness.do_bench(f))(f) for n, f in fns.items()}
+            timers = {n: (lambda f: lambda: harness.do_bench(lambda: f(*call_args)))(f) for n, f in fns.items()}
             ms, failed = harness.run_rounds(timers, rounds)
             tf = {n: flops / harness.median_ms(m) / 1e9 for n, m in ms.items()}
             print(f"hd{d} {'causal' if causal else 'full'}: " + ", ".join(

@@ -98,7 +98,7 @@ def sweep(headdims, seqlens, rounds):
                     "cute_attn_fp8": lambda: cute_attn.mha(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
                                                            v_descale=vd),
                     "cute_attn_bf16": lambda: cute_attn.mha(q, k, v, causal=causal),
-                    "v_transpose": lambda: launcher.transpose_v_fp8(v8, permute_keys=True),
+                    "v_transpose": lambda: launcher.transpose_v_fp8(v8),
                 }
                 cudnn_rel_rmse = None
                 if anchor is not None:

@@ -463,9 +463,9 @@ def test_page_size_must_nest_with_the_kv_block():
 def test_fp8_forward_compiles_with_e4m3_wgmma(head_dim, mask):
     """Both GEMMs run as e4m3 WGMMAs (K = 32) with fp32 accumulators; P is converted with
     saturating e4m3x2 conversions and put into the A layout by byte permutes alone, V^T's
-    keys being in the order of P's registers (FwdConfig.fp8_v_permuted, blocks/
-    fp8_operand.py): no shuffle with a computed lane, which V^T in key order needs; the
-    output leaves as bf16; nothing spills."""
+    keys being in the order of P's registers (blocks/fp8_operand.py): no shuffle with a
+    computed lane (the quad exchange V^T in key order would need); the output leaves as
+    bf16; nothing spills."""
     from cute_attn.config import fp8_fwd_config_for
 
     features = AttnFeatures(mask=mask)
@@ -476,7 +476,7 @@ def test_fp8_forward_compiles_with_e4m3_wgmma(head_dim, mask):
     assert f"wgmma.mma_async.sync.aligned.m64n{config.tile_n}k32.f32.e4m3.e4m3" in ptx  # S = Q K^T
     assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k32.f32.e4m3.e4m3" in ptx  # O += P V
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt.b32" in ptx
-    assert config.fp8_v_permuted and not re.search(_LANE_FROM_REGISTER, ptx)
+    assert not re.search(_LANE_FROM_REGISTER, ptx)
     assert "cvt.rn.bf16x2.f32" in ptx
     if art.cubin is not None:
         assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
@@ -484,19 +484,6 @@ def test_fp8_forward_compiles_with_e4m3_wgmma(head_dim, mask):
 
 # a shuffle whose source lane is computed (P's quad exchange), not a constant broadcast
 _LANE_FROM_REGISTER = r"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, %r\d+"
-
-
-def test_fp8_forward_with_v_in_key_order_shuffles_p():
-    """fp8_v_permuted off: V^T in key order, so P's pairs move within each quad by
-    shuffles (the other conversion of blocks/fp8_operand.py)."""
-    import dataclasses
-
-    from cute_attn.config import fp8_fwd_config_for
-
-    features = AttnFeatures(mask="causal")
-    config = dataclasses.replace(fp8_fwd_config_for(128, features), fp8_v_permuted=False)
-    ptx = ptx_tool.compile_fwd_artifacts("e4m3", 128, features, config).ptx
-    assert re.search(_LANE_FROM_REGISTER, ptx)
 
 
 def test_v_permutation_puts_each_threads_pairs_in_its_operand_words():
@@ -533,13 +520,12 @@ def test_fp8_forward_with_a_sink_compiles(head_dim, mask):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("permute_keys", [False, True])
-def test_fp8_v_transpose_compiles_with_16_byte_accesses(varlen, permute_keys):
-    """kernels/v_transpose.py: rows in and columns out in 16-byte global accesses, with
-    the keys in order or permuted (the permutation is in the shared-memory reads)."""
+def test_fp8_v_transpose_compiles_with_16_byte_accesses(varlen):
+    """kernels/v_transpose.py: rows in and columns out in 16-byte global accesses (the key
+    permutation is in the shared-memory reads)."""
     from cute_attn import launcher
 
-    ptx = launcher.compile_transpose(launcher.TransposeKey(128, varlen, permute_keys), "--keep-ptx").__ptx__
+    ptx = launcher.compile_transpose(launcher.TransposeKey(128, varlen), "--keep-ptx").__ptx__
     assert ".target sm_90a" in ptx
     assert ptx.count("ld.global.v4.b32") >= 1 and ptx.count("st.global.v4.b32") >= 1
     assert "ld.global.u8" not in ptx and "st.global.u8" not in ptx

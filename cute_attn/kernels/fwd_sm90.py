@@ -221,8 +221,6 @@ class FlashFwdSm90:
         self.tree_row_sums = config.tree_row_sums
         self.p_double_buffer = config.p_double_buffer
         assert not self.p_double_buffer or (self.fp8 and self.intra_wg_overlap)
-        self.fp8_v_permuted = config.fp8_v_permuted
-        assert not self.fp8_v_permuted or self.fp8
         self.kv_box_rows = config.kv_box_rows
         # only a mask mod's ModTile packs its verdicts into bits
         self.mask_before_scores = config.mask_before_scores and features.mask_mod is not None
@@ -917,9 +915,7 @@ class FlashFwdSm90:
     def scores_to_p(self, acc_S, tOrP, dropout=None, drops=None):
         """The softmax's P (fp32, in acc_S) into the PV WGMMA's A operand in registers;
         with dropout, its dropped elements zeroed in 16 bits (pairs of P per AND)."""
-        if cutlass.const_expr(self.fp8 and self.fp8_v_permuted):
-            fp8_operand.scores_to_fp8_operand_a_v_permuted(acc_S, tOrP)
-        elif cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.fp8):
             fp8_operand.scores_to_fp8_operand_a(acc_S, tOrP)
         elif cutlass.const_expr(dropout is not None):
             p = cute.make_rmem_tensor_like(acc_S, tOrP.element_type)

@@ -18,12 +18,12 @@ key coordinate only if its start is 16-byte aligned along the contiguous dim, wh
 packed sequence's offset need not be (an unaligned start raised "illegal instruction" on
 an H100). This costs batch x max_seqlen_k key columns instead of the total.
 
-With permute_keys (the forward's FwdConfig.fp8_v_permuted), each aligned group of 16 key
-columns holds its keys in blocks/fp8_operand.V_PERMUTATION's order: the order in which the
-QK^T accumulator's registers already are the FP8 PV WGMMA's A operand, so that P needs no
-shuffle. The groups count from each sequence's first key (column 0 of its entry), as the
-forward's KV blocks do. The thread writing a 16-key chunk reads its 16 bytes from shared
-memory in that order; the cost is nil (the column reads were byte-wise before).
+Each aligned group of 16 key columns holds its keys in blocks/fp8_operand.V_PERMUTATION's
+order: the order in which the QK^T accumulator's registers already are the FP8 PV WGMMA's
+A operand, so that P needs no shuffle in the forward. The groups count from each
+sequence's first key (column 0 of its entry), as the forward's KV blocks do. The thread
+writing a 16-key chunk reads its 16 bytes from shared memory in that order (byte-wise
+column reads either way).
 
 Keys past seqlen are not loaded but written as zeros, up to the next multiple of 16 (the
 padded stride): in a dense V^T they are never read (the forward's tensor map stops at
@@ -46,11 +46,10 @@ CHUNK = 16  # bytes per global access
 
 
 class TransposeV:
-    def __init__(self, head_dim: int, varlen: bool, permute_keys: bool = False):
+    def __init__(self, head_dim: int, varlen: bool):
         assert head_dim % 32 == 0
         self.head_dim = head_dim
         self.varlen = varlen
-        self.permute_keys = permute_keys
         self.pitch = head_dim + CHUNK
         self.scheduler = TileScheduler(KEYS, varlen=False)  # blocks of V^T's key columns
 
@@ -108,10 +107,7 @@ class TransposeV:
                 row = lane + 32 * r
                 column = cute.zipped_divide(sT[None, row], (CHUNK,))
                 dst = cute.zipped_divide(mVt[b, head, row, None], (CHUNK,))
-                if cutlass.const_expr(self.permute_keys):
-                    chunk = cute.make_rmem_tensor((CHUNK,), cutlass.Uint8)
-                    for c in cutlass.range_constexpr(CHUNK):
-                        chunk[c] = column[V_PERMUTATION[c], warp]
-                    dst[None, key0 // CHUNK].store(chunk.load())
-                else:
-                    dst[None, key0 // CHUNK].store(column[None, warp].load())
+                chunk = cute.make_rmem_tensor((CHUNK,), cutlass.Uint8)
+                for c in cutlass.range_constexpr(CHUNK):
+                    chunk[c] = column[V_PERMUTATION[c], warp]
+                dst[None, key0 // CHUNK].store(chunk.load())
