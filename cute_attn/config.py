@@ -353,7 +353,8 @@ def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1)
         cfg = FwdConfig(tile_m=128, tile_n=128 if features.causal_like else 224, num_stages=2)
         if features.mask == "none" and not (features.softcap or features.varlen or features.kv_lengths):
             # +4.4% and +4.8% in two H100 A/Bs at 16K (session 15); causal -4.4..-3.8%,
-            # head dims 64 and 256 within +-1.5%: there the bulk has too few block pairs
+            # head dims 64 and 256 within +-1.5%: there the bulk has too few block pairs.
+            # A persistent grid drops it (fp8_with_persistent_grid: it spilled there)
             cfg = dataclasses.replace(cfg, p_double_buffer=True)
     else:
         # a window with a softcap spilled 252 bytes at 128 keys per block (ptxas)
@@ -405,6 +406,30 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
         return config
     persistent = dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal" or mods)
     return persistent if fwd_smem_bytes(persistent, head_dim) <= SM90_SMEM_BYTES else config
+
+
+def fp8_with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeatures,
+                             num_sms: Optional[int]) -> FwdConfig:
+    """The FP8 forward's config (fp8_fwd_config_for) with a persistent grid of num_sms CTAs
+    where that measured faster, else unchanged (None: no GPU to size it).
+
+    Measured on an H100 (perf/NOTES.md, session 24; perf/ab_fp8_configs.py 5 ... persist,
+    16K tokens), persistent / one tile per CTA at 4K / 16K keys:
+      head dim 128: 1.014 / 0.997 no mask, 1.046 / 1.010 causal (tile queue)
+      head dim 256: 1.049 / 1.002 no mask, 1.033 / 1.018 causal
+      head dim 64:  1.001 / 0.946 no mask, 0.994 / 0.941 causal
+    A tile's epilogue (its 16-bit O through shared memory) overlaps the next tile's first
+    loads, which matters where the tiles are short. Head dim 64's three consumer warpgroups
+    lose. The double-buffered P is dropped at hd 128: with the persistent loop's state it
+    spilled 268 bytes (ptxas), so no mask at hd 128 compares one P buffer persistent
+    against two without. Dense unmasked and causal batches only (no window, varlen, sink
+    or packed GQA: not measured)."""
+    eligible = (num_sms and features.mask in ("none", "causal") and not features.varlen
+                and not features.sink and config.pack_gqa == 1 and head_dim >= 128)
+    if not eligible:
+        return config
+    return dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal",
+                               p_double_buffer=False)
 
 
 # The portable cluster size limit on sm_90 (16 needs a non-portable opt-in)

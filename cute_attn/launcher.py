@@ -36,6 +36,7 @@ from cute_attn.config import (
     cluster_merge_rows_fit,
     cluster_splits_fit,
     fp8_fwd_config_for,
+    fp8_with_persistent_grid,
     fwd_config_for,
     pack_gqa_for,
     split_config,
@@ -564,10 +565,14 @@ def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs
     descales (q, k, v) each None (1) or float32 (batch, heads_kv), sink float32 (heads,)
     logits when features.sink; returns (out, lse), out in policy.output with q's
     dimension order, lse as run_fwd's."""
+    from cute_attn.tuning import gpu_sm_count
+
     head_dim = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
     pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
-    key = FwdKey(policy.name, head_dim, features, fp8_fwd_config_for(head_dim, features, pack))
+    config = fp8_with_persistent_grid(fp8_fwd_config_for(head_dim, features, pack), head_dim, features,
+                                      gpu_sm_count(q.device.index))
+    key = FwdKey(policy.name, head_dim, features, config)
     fn = get_fwd_kernel(key)
     out = torch.empty_like(q, dtype=policy.output)
     shape = _lse_shape(q, features)
@@ -582,6 +587,8 @@ def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs
             ds = ones
         scales.append(ds)
     q4, k4, _, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
+    if config.tile_queue and uses_tile_queue(config, _work_tiles(q, features, args, config)):
+        cu_q = _tile_queue(q.device)
     if features.varlen:
         vt4 = transpose_v_fp8(v, args.cu_seqlens_k, args.max_seqlen_k)
     else:

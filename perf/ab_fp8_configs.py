@@ -4,7 +4,7 @@ variant's output compared with the default's (max |diff|: 0 means bit-identical)
 measurements behind fp8_fwd_config_for's double-buffered P at hd 128 and its tile choice
 (perf/NOTES.md, session 15).
 
-    python3 perf/ab_fp8_configs.py [rounds] [head dims] [variants]
+    python3 perf/ab_fp8_configs.py [rounds] [head dims] [variants] [seqlens (16K tokens each)]
     python3 perf/ab_fp8_configs.py 5 128,256,64 pdouble,psingle     # the P buffers
     python3 perf/ab_fp8_configs.py 5 128 192x96,192x128,s3           # tiles at hd 128
 
@@ -12,6 +12,8 @@ Variants ((head dim, features) -> a config, None where it does not apply):
     pdouble / psingle  the default with p_double_buffer on / off
     192x96, 192x128    three consumer warpgroups
     s3                 the default with three stages
+    persist            a persistent grid (one CTA per SM; causal: the tile queue), one P buffer
+                       (two spill at hd 128 x 224 there)
 """
 import dataclasses
 import sys
@@ -22,6 +24,7 @@ sys.path.insert(0, "perf")
 import harness  # noqa: E402
 from cute_attn import api, launcher  # noqa: E402
 from cute_attn.config import FwdConfig, fp8_fwd_config_for  # noqa: E402
+from cute_attn.tuning import gpu_sm_count  # noqa: E402
 from cute_attn.fp8 import quantize_fp8  # noqa: E402
 
 VARIANTS = {
@@ -30,6 +33,8 @@ VARIANTS = {
     "192x96": lambda d, f: FwdConfig(tile_m=192, tile_n=96, num_stages=2) if d == 128 else None,
     "192x128": lambda d, f: FwdConfig(tile_m=192, tile_n=128, num_stages=2) if d == 128 else None,
     "s3": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), num_stages=3),
+    "persist": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), persistent_ctas=gpu_sm_count(0),
+                                                tile_queue=f.mask == "causal", p_double_buffer=False),
 }
 
 
@@ -37,14 +42,15 @@ def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     head_dims = harness.parse_int_list(sys.argv[2] if len(sys.argv) > 2 else "128")
     names = (sys.argv[3] if len(sys.argv) > 3 else "psingle,pdouble").split(",")
+    seqlens = harness.parse_int_list(sys.argv[4] if len(sys.argv) > 4 else "16384")
     print(torch.cuda.get_device_name(), flush=True)
-    for d in head_dims:
+    for d, s in [(d, s) for d in head_dims for s in seqlens]:
         for causal in (False, True):
-            h, s = 2048 // d, 16384
-            q, k, v = harness.random_qkv(1, s, h, d, torch.bfloat16, seed=d)
+            h, b = 2048 // d, 16384 // s
+            q, k, v = harness.random_qkv(b, s, h, d, torch.bfloat16, seed=d)
             feat, args = api._features_and_args(causal, (-1, -1), 0.0, d ** -0.5)
             cu = launcher._unused_cu_seqlens(q.device)
-            out, lse = torch.empty_like(q), torch.empty(1, h, s, device="cuda")
+            out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
             q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
             sink = launcher._placeholder(q.device, (1,)).view(torch.float32)  # no sink (unread)
             call_args = (q8, k8, launcher.transpose_v_fp8(v8), out, lse, cu, cu, qd, kd, vd, sink,
@@ -53,20 +59,23 @@ def main():
             configs.update({n: c for n in names if (c := VARIANTS[n](d, feat)) is not None})
             fns, outs = {}, {}
             for name, cfg in configs.items():
+                # a tile queue's counter travels in cu_seqlens_q's slot (launcher._tile_queue)
+                cfg_args = (call_args[:5] + (launcher._tile_queue(q.device),) + call_args[6:]
+                            if cfg.tile_queue else call_args)
                 try:
                     fn = launcher.compile_fwd(launcher.FwdKey("e4m3", d, feat, cfg))
                     out.fill_(float("nan"))
-                    fn(*call_args)
+                    fn(*cfg_args)
                     torch.cuda.synchronize()
-                    fns[name], outs[name] = fn, out.clone()
+                    fns[name], outs[name] = (lambda f, a: lambda: f(*a))(fn, cfg_args), out.clone()
                 except Exception as exc:  # noqa: BLE001 - a config that does not build or launch
                     print(f"  {name}: {harness.reason(exc)}")
             diffs = {n: (o.float() - outs["default"].float()).abs().max().item() for n, o in outs.items()}
-            flops = 4 * h * s * s * d / (2 if causal else 1)
-            timers = {n: (lambda f: lambda: harness.do_bench(lambda: f(*call_args)))(f) for n, f in fns.items()}
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            timers = {n: (lambda f: lambda: harness.do_bench(f))(f) for n, f in fns.items()}
             ms, failed = harness.run_rounds(timers, rounds)
             tf = {n: flops / harness.median_ms(m) / 1e9 for n, m in ms.items()}
-            print(f"hd{d} {'causal' if causal else 'full'}: " + ", ".join(
+            print(f"hd{d} {s // 1024}K {'causal' if causal else 'full'}: " + ", ".join(
                 f"{n} {t:.0f} ({t / tf['default']:.3f}x, max|diff| {diffs[n]:.1e})" for n, t in tf.items()),
                 failed or "", flush=True)
 

@@ -159,6 +159,12 @@ CASES = (
     # forced (extra "config") so the case keeps covering it whatever the default
     Case("fp8-p-double-hd128", dtype="fp8", seqlen_q=700, seqlen_k=900, backward=False,
          extra={"config": "p_double_buffer"}),
+    # the persistent FP8 forward (config.fp8_with_persistent_grid) over 8 x 16 x 4 = 512
+    # causal tiles: the tile queue's tickets; and round robin without a mask
+    Case("fp8-persistent-causal-gqa", dtype="fp8", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4,
+         causal=True, backward=False),
+    Case("fp8-persistent-hd256", dtype="fp8", head_dim=256, batch=4, seqlen_q=1000, seqlen_k=1011, nheads=16,
+         nheads_kv=16, backward=False),
     # more tiles than an H100's 132 SMs (6 x 16 x 4 = 384 at 192 rows): the persistent
     # forward's CTAs walk 2-3 tiles each, the rings and ping-pong turns running on; causal:
     # the same through the tile queue (8 x 16 x 4 = 512 tiles: tickets, the hand-off)
@@ -330,6 +336,8 @@ def force_config(name):
     from cute_attn import config, launcher
 
     if name == "p_double_buffer":
+        # one tile per CTA: the persistent FP8 grid has one P buffer
+        launcher.fp8_with_persistent_grid = lambda cfg, *a: cfg
         launcher.fp8_fwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.fp8_fwd_config_for(*a, **kw), p_double_buffer=True)
     elif name == "ds2":

@@ -176,6 +176,24 @@ def test_fp8_without_descales_means_one():
     _check(q8, k8, v8, ones, ones, ones, descales=False)
 
 
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_fp8_persistent_grid_walks_many_tiles(d, mask):
+    """config.fp8_with_persistent_grid at head dims 128 and 256: more work tiles than
+    CTAs (one per SM), so each CTA runs several tiles in turn (round robin, or the causal
+    tile queue's tickets), at lengths that are not multiples of the tiles."""
+    from cute_attn.config import AttnFeatures, fp8_with_persistent_grid
+    from cute_attn.tuning import gpu_sm_count
+
+    features = AttnFeatures(mask=mask)
+    sms = gpu_sm_count(0)
+    config = fp8_with_persistent_grid(fp8_fwd_config_for(d, features), d, features, sms)
+    b, s, h = 2, 2200, 8
+    assert config.persistent_ctas == sms and -(-s // config.tile_m) * h * b > sms
+    q8, k8, v8, qd, kd, vd = _inputs(d + 7, b, s, s, h, h // 2, d)
+    _check(q8, k8, v8, qd, kd, vd, mask=mask)
+
+
 def test_fp8_varlen():
     gen = torch.Generator(device="cuda").manual_seed(21)
     lens_q, lens_k = [17, 0, 300, 129], [40, 5, 290, 700]
@@ -214,8 +232,8 @@ def test_fp8_long_sequence_accuracy_report(capsys):
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_fp8_double_buffered_p_is_bit_identical(d, mask, monkeypatch):
-    """FwdConfig.p_double_buffer (fp8_fwd_config_for's at hd 128 without a mask, forced
-    off and on here) only moves the e4m3 conversion of P beside the previous PV WGMMA:
+    """FwdConfig.p_double_buffer (fp8_fwd_config_for's at hd 128 without a mask where the
+    grid is not persistent; forced off and on here, one tile per CTA) only moves the e4m3 conversion of P beside the previous PV WGMMA:
     the same operations in the same order per element, so the output and LSE of the two
     are equal bit for bit, at lengths giving odd and even numbers of
     unmasked blocks (pairs and the remainder) and one block short of a tile. Then the
@@ -229,6 +247,8 @@ def test_fp8_double_buffered_p_is_bit_identical(d, mask, monkeypatch):
         q8, k8, v8, qd, kd, vd = _inputs(sk, 2, sk, sk, 4, 2, d)
         ds = dict(q_descale=qd, k_descale=kd, v_descale=vd)
         real = launcher.fp8_fwd_config_for
+        # one tile per CTA (the persistent FP8 grid keeps one P buffer)
+        monkeypatch.setattr(launcher, "fp8_with_persistent_grid", lambda cfg, *a: cfg)
         with monkeypatch.context() as m:
             m.setattr(launcher, "fp8_fwd_config_for",
                       lambda *a, **k: dataclasses.replace(real(*a, **k), p_double_buffer=False))

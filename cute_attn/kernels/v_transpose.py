@@ -5,12 +5,14 @@ FP8 WGMMA takes both operands K-major, and the K of O += P V is the key: V's til
 key-contiguous in shared memory. This kernel moves 1-byte elements, so it is memory-bound:
 each CTA stages a block of KEYS keys x head_dim through shared memory (rows in with 16-byte
 loads, one key's head-dim chunk per thread; columns out as 16 keys per thread and 16-byte
-store), which keeps both global sides in whole 16-byte accesses. A torch copy through a
+store, two lanes per 32-byte sector), which keeps both global sides in whole 16-byte
+accesses and whole sectors. A torch copy through a
 permuted view moved 8-bit elements one at a time: 229 us for 32 MiB on an H100, about a
 tenth of copy bandwidth (perf/NOTES.md, session 9).
 
-Shared rows are padded by 16 bytes: the column reads (16 keys of one head-dim row) then
-fall in one row per key for a whole warp, and the row writes stay 16-byte aligned.
+Shared rows are padded by 16 bytes (the row writes stay 16-byte aligned); a warp's column
+reads touch 8 words in 4 banks (16 rows: 4 words of each key row; the lane pair's two key
+chunks: the same bank), a 2-way conflict on byte loads that are not what binds.
 
 Packed variable-length batches (varlen) come out as a dense (batch, heads, head_dim,
 max_seqlen_padded) V^T, sequence b's keys from column 0 of entry b: TMA reads a box at a
@@ -99,15 +101,19 @@ class TransposeV:
                 zero.fill(0)
                 staged[None, c].store(zero.load())
         cute.arch.sync_threads()
-        # columns out: warp w writes keys 16w .. 16w + 15 of 32 head-dim rows at a time
-        warp, lane = tidx // 32, tidx % 32
-        key0 = first + warp * CHUNK
-        if key0 < padded:
-            for r in cutlass.range_constexpr(self.head_dim // 32):
-                row = lane + 32 * r
+        # columns out: a lane pair writes 32 keys of one head-dim row (a whole 32-byte
+        # sector: lanes writing 16 bytes of 32 different rows each made every L2 write a
+        # half sector, and the kernel L2-bound, ncu session 24), a warp 16 rows at a time
+        for j in cutlass.range_constexpr(self.head_dim * KEYS // CHUNK // THREADS):
+            idx = tidx + j * THREADS
+            rest = idx // 2
+            row = rest % self.head_dim
+            chunk_idx = 2 * (rest // self.head_dim) + idx % 2  # which 16 keys of the CTA's KEYS
+            key0 = first + chunk_idx * CHUNK
+            if key0 < padded:
                 column = cute.zipped_divide(sT[None, row], (CHUNK,))
                 dst = cute.zipped_divide(mVt[b, head, row, None], (CHUNK,))
                 chunk = cute.make_rmem_tensor((CHUNK,), cutlass.Uint8)
                 for c in cutlass.range_constexpr(CHUNK):
-                    chunk[c] = column[V_PERMUTATION[c], warp]
+                    chunk[c] = column[V_PERMUTATION[c], chunk_idx]
                 dst[None, key0 // CHUNK].store(chunk.load())
