@@ -883,7 +883,8 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
     if tiles >= split_heuristic.FILL_FRACTION * sms:  # most training calls: no further work
         return 1
     return split_heuristic.choose_num_splits(batch, heads // pack, q_tiles, -(-seqlen_k // config.tile_n),
-                                             num_sms=sms, hbm_gbs=hbm_gbs)
+                                             num_sms=sms, hbm_gbs=hbm_gbs,
+                                             kv_block_bytes=2 * config.tile_n * q.shape[-1] * k.element_size())
 
 
 # (torch dtype, head_dim, features, unsplit config) -> the split forward

@@ -40,6 +40,14 @@ The rule (pure Python, no device query: the caller passes num_sms):
    perf/NOTES.md, session 23; CUDA graphs, 64/8 heads, one query): batch 1 x 8K keys 8
    splits 12.6 us vs 16 at 13.8, 32K 31.0 vs 32.0, 128K 105.8 vs 98.6 (16 ahead there
    only); batch 2 x 8K 4 splits 18.7 vs 8 at 24.1, 32K 58.7 vs 16 at 58.0.
+2c. But every SM where each split would still read >= FULL_GRID_MIN_SPLIT_BYTES of K and
+   V (the caller passes kv_block_bytes): the half-the-SMs rule was measured in do_bench,
+   whose flush write-back and launch gap hid what more CTAs buy; in CUDA graphs (H100,
+   perf/NOTES.md sessions 22-23) 16 splits beat 8 at batch 1 x 32K (hd 128, 1 MB per
+   split: 52.9 vs 53.8 us) and 128K (hd 128: 183.2 vs 185.2; hd 64, 2 MB: 98.6 vs 105.8),
+   and batch 4 x 32K took 4 splits over 2 (hd 128: 182.1 vs 186.7; hd 64: 99.6 vs 105.3),
+   while below 1 MB they lost (hd 64 batch 1 x 32K, 0.5 MB: 32.0 vs 31.0; 8K: 13.8 vs
+   12.6).
 3. At most kv_blocks // MIN_BLOCKS_PER_SPLIT splits, so each keeps >= MIN_BLOCKS_PER_SPLIT
    KV blocks, except that a tile of at least SHORT_KEY_SPLITS x MIN_BLOCKS_PER_SHORT_SPLIT
    blocks may take SHORT_KEY_SPLITS splits (2K keys: 8 splits of 2 blocks); never more
@@ -83,6 +91,9 @@ ALL_SMS_FROM_GBS = 4000
 MIN_BLOCKS_PER_SPLIT = 4
 MIN_BLOCKS_PER_SHORT_SPLIT = 2
 SHORT_KEY_SPLITS = 8
+# Bytes of K and V each split must still read for a memory-bound decode to take every SM
+# instead of memory_bound_ctas (step 2c).
+FULL_GRID_MIN_SPLIT_BYTES = 1 << 20
 # The most splits: one tile alone can use at most one wave (num_sms = 132 CTAs on an
 # H100), so 128 loses nothing on Hopper, and it bounds the fp32 partials (splits x rows x
 # headdim x 4 bytes) and the combine's loop over splits per row. FlashAttention 2 passes
@@ -97,14 +108,16 @@ def memory_bound_ctas(num_sms: int, hbm_gbs: float) -> int:
 
 
 def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks: int,
-                      num_sms: int = 132, max_splits: int = MAX_SPLITS, hbm_gbs: float = 3350.0) -> int:
+                      num_sms: int = 132, max_splits: int = MAX_SPLITS, hbm_gbs: float = 3350.0,
+                      kv_block_bytes: int = 0) -> int:
     """The number of splits of the keys for a forward of this shape (>= 1; 1: no split).
 
     batch, nheads_kv: the grid's batch entries and KV heads; seqlen_q_tiles: query tiles
     per (entry, KV head), with packed GQA the tiles of seqlen_q x group rows; kv_blocks:
     KV blocks (tile_n keys each) of the longest entry's keys; num_sms: the GPU's SMs
     (132 on an H100 SXM); max_splits: the cap (MAX_SPLITS); hbm_gbs: the GPU's peak HBM
-    bandwidth (an H100 SXM's by default). See the module docstring for the reasoning, and
+    bandwidth (an H100 SXM's by default); kv_block_bytes: bytes of K and V in one KV block
+    of one tile (0: unknown, step 2c off). See the module docstring for the reasoning, and
     for the constants still to be measured.
     """
     tiles = batch * nheads_kv * seqlen_q_tiles
@@ -116,6 +129,10 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks
         target = memory_bound_ctas(num_sms, hbm_gbs)
         if tiles >= MEMORY_BOUND_FILL_FRACTION * target:
             return 1
+        every_sm = min(num_sms // tiles, max_splits)
+        if target < num_sms and every_sm > 1 and \
+                kv_blocks // every_sm * kv_block_bytes >= FULL_GRID_MIN_SPLIT_BYTES:
+            target = num_sms  # step 2c
     by_length = kv_blocks // MIN_BLOCKS_PER_SPLIT
     if kv_blocks >= MIN_BLOCKS_PER_SHORT_SPLIT * SHORT_KEY_SPLITS:  # short splits where measured (2K keys up)
         by_length = max(by_length, SHORT_KEY_SPLITS)

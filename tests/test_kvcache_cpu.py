@@ -689,6 +689,23 @@ def test_h200_decode_fills_every_sm():
     assert choose_num_splits(batch=8, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256) == 1
 
 
+
+def test_h100_decode_fills_every_sm_where_splits_stay_long():
+    """split_heuristic step 2c: on an H100 a decode takes every SM instead of half where
+    each split still reads >= 1 MB of K and V (kv_block_bytes per KV block), else half."""
+    hd128, hd64 = 2 * 128 * 128 * 2, 2 * 128 * 64 * 2  # K and V bytes of a 128-key block
+    one = dict(batch=1, nheads_kv=8, seqlen_q_tiles=1)
+    assert choose_num_splits(**one, kv_blocks=256, kv_block_bytes=hd128) == 16  # 32K: 1 MB per split
+    assert choose_num_splits(**one, kv_blocks=1024, kv_block_bytes=hd128) == 16  # 128K
+    assert choose_num_splits(**one, kv_blocks=64, kv_block_bytes=hd128) == 8  # 8K: 256 KB per split
+    assert choose_num_splits(**one, kv_blocks=256, kv_block_bytes=hd64) == 8  # 32K at hd 64: 0.5 MB
+    assert choose_num_splits(**one, kv_blocks=1024, kv_block_bytes=hd64) == 16  # 128K at hd 64: 2 MB
+    assert choose_num_splits(batch=4, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256, kv_block_bytes=hd64) == 4
+    assert choose_num_splits(batch=4, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256) == 2  # bytes unknown: half
+    # a full grid stays unsplit, and an H200 already takes every SM
+    assert choose_num_splits(batch=8, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256, kv_block_bytes=hd128) == 1
+    assert choose_num_splits(**one, kv_blocks=64, kv_block_bytes=hd128, hbm_gbs=4800.0) == 16
+
 def test_split_decode_tiles():
     """config.split_decode_config: few packed rows at head dim <= 64 take 64 rows and four
     stages of 128 keys (page size kept), merged in a cluster or not; head dim 128 takes 64
