@@ -882,9 +882,12 @@ def choose_splits(q, k, features: AttnFeatures, args: RunArgs, config: FwdConfig
     sms, hbm_gbs = _device_limits(q.device) if q.is_cuda else (132, 3350.0)
     if tiles >= split_heuristic.FILL_FRACTION * sms:  # most training calls: no further work
         return 1
+    # step 2c (every SM for long splits) measured a gain at head dim <= 64 only, whose split
+    # tile has one consumer warpgroup (config.split_decode_config); at 128 it was level
+    head_dim = q.shape[-1]
+    block_bytes = 2 * config.tile_n * head_dim * k.element_size() if head_dim <= 64 else 0
     return split_heuristic.choose_num_splits(batch, heads // pack, q_tiles, -(-seqlen_k // config.tile_n),
-                                             num_sms=sms, hbm_gbs=hbm_gbs,
-                                             kv_block_bytes=2 * config.tile_n * q.shape[-1] * k.element_size())
+                                             num_sms=sms, hbm_gbs=hbm_gbs, kv_block_bytes=block_bytes)
 
 
 # (torch dtype, head_dim, features, unsplit config) -> the split forward

@@ -41,13 +41,15 @@ The rule (pure Python, no device query: the caller passes num_sms):
    splits 12.6 us vs 16 at 13.8, 32K 31.0 vs 32.0, 128K 105.8 vs 98.6 (16 ahead there
    only); batch 2 x 8K 4 splits 18.7 vs 8 at 24.1, 32K 58.7 vs 16 at 58.0.
 2c. But every SM where each split would still read >= FULL_GRID_MIN_SPLIT_BYTES of K and
-   V (the caller passes kv_block_bytes): the half-the-SMs rule was measured in do_bench,
-   whose flush write-back and launch gap hid what more CTAs buy; in CUDA graphs (H100,
-   perf/NOTES.md sessions 22-23) 16 splits beat 8 at batch 1 x 32K (hd 128, 1 MB per
-   split: 52.9 vs 53.8 us) and 128K (hd 128: 183.2 vs 185.2; hd 64, 2 MB: 98.6 vs 105.8),
-   and batch 4 x 32K took 4 splits over 2 (hd 128: 182.1 vs 186.7; hd 64: 99.6 vs 105.3),
-   while below 1 MB they lost (hd 64 batch 1 x 32K, 0.5 MB: 32.0 vs 31.0; 8K: 13.8 vs
-   12.6).
+   V (the caller passes kv_block_bytes; the launcher does at head dim <= 64 only). Head
+   dim 64's split tile (config.split_decode_config) has one consumer warpgroup, so each
+   CTA draws less bandwidth than the 128-row tile's. Measured on an H100 in CUDA graphs
+   (perf/ab_splits.py --graph, perf/NOTES.md session 24), 64/8 heads, one query: head dim
+   64 batch 1 x 128K 16 splits 99.4 us vs 8 at 103.3, batch 2 x 32K 8 splits 54.1 vs 4 at
+   56.0, batch 4 x 32K 4 splits 99.2 vs 2 at 103.1 (+3.5-3.9%); below 1 MB per split more
+   lost (batch 1 x 32K, 0.5 MB: 31.3 vs 30.1; 8K 13.6 vs 12.3). Head dim 128 level or
+   worse with the same rule (batch 1 x 32K 54.0 vs 53.7, 128K 183.9 vs 181.6, batch 4 x
+   32K 182.3 vs 181.4): not taken there.
 3. At most kv_blocks // MIN_BLOCKS_PER_SPLIT splits, so each keeps >= MIN_BLOCKS_PER_SPLIT
    KV blocks, except that a tile of at least SHORT_KEY_SPLITS x MIN_BLOCKS_PER_SHORT_SPLIT
    blocks may take SHORT_KEY_SPLITS splits (2K keys: 8 splits of 2 blocks); never more

@@ -692,7 +692,8 @@ def test_h200_decode_fills_every_sm():
 
 def test_h100_decode_fills_every_sm_where_splits_stay_long():
     """split_heuristic step 2c: on an H100 a decode takes every SM instead of half where
-    each split still reads >= 1 MB of K and V (kv_block_bytes per KV block), else half."""
+    each split still reads >= 1 MB of K and V (kv_block_bytes per KV block), else half;
+    the launcher asks it at head dim <= 64 only (choose_splits)."""
     hd128, hd64 = 2 * 128 * 128 * 2, 2 * 128 * 64 * 2  # K and V bytes of a 128-key block
     one = dict(batch=1, nheads_kv=8, seqlen_q_tiles=1)
     assert choose_num_splits(**one, kv_blocks=256, kv_block_bytes=hd128) == 16  # 32K: 1 MB per split
@@ -705,6 +706,18 @@ def test_h100_decode_fills_every_sm_where_splits_stay_long():
     # a full grid stays unsplit, and an H200 already takes every SM
     assert choose_num_splits(batch=8, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256, kv_block_bytes=hd128) == 1
     assert choose_num_splits(**one, kv_blocks=64, kv_block_bytes=hd128, hbm_gbs=4800.0) == 16
+
+
+def test_choose_splits_takes_every_sm_at_head_dim_64_only():
+    """launcher.choose_splits passes the KV block's bytes at head dim <= 64 (step 2c
+    measured level or worse at 128): batch 1 x 128K keys, 8 KV heads."""
+    from cute_attn import api, launcher
+
+    for d, want in ((64, 16), (128, 8)):
+        q = torch.empty(1, 1, 64, d, dtype=torch.bfloat16)
+        k = torch.empty(1, 131072, 8, d, dtype=torch.bfloat16)
+        features, args = api._features_and_args(True, (-1, -1), 0.0, d ** -0.5)
+        assert launcher._plan(q, k, features, args, None, None).num_splits == want
 
 def test_split_decode_tiles():
     """config.split_decode_config: few packed rows at head dim <= 64 take 64 rows and four
