@@ -14,6 +14,7 @@ Variants ((head dim, features) -> a config, None where it does not apply):
     s3                 the default with three stages
     persist            a persistent grid (one CTA per SM; causal: the tile queue), one P buffer
                        (two spill at hd 128 x 224 there)
+    nopp / noiwo       the default without ping-pong / without intra-warpgroup overlap
 """
 import dataclasses
 import sys
@@ -24,7 +25,13 @@ sys.path.insert(0, "perf")
 import harness  # noqa: E402
 from cute_attn import api, launcher  # noqa: E402
 from cute_attn.config import FwdConfig, fp8_fwd_config_for  # noqa: E402
+from cute_attn.config import fp8_with_persistent_grid  # noqa: E402
 from cute_attn.tuning import gpu_sm_count  # noqa: E402
+
+
+def _default(d, f):
+    """What mha runs: fp8_fwd_config_for's tiles on fp8_with_persistent_grid's grid."""
+    return fp8_with_persistent_grid(fp8_fwd_config_for(d, f), d, f, gpu_sm_count(0))
 from cute_attn.fp8 import quantize_fp8  # noqa: E402
 
 VARIANTS = {
@@ -35,6 +42,8 @@ VARIANTS = {
     "s3": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), num_stages=3),
     "persist": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), persistent_ctas=gpu_sm_count(0),
                                                 tile_queue=f.mask == "causal", p_double_buffer=False),
+    "nopp": lambda d, f: dataclasses.replace(_default(d, f), pingpong=False),
+    "noiwo": lambda d, f: dataclasses.replace(_default(d, f), intra_wg_overlap=False, p_double_buffer=False),
 }
 
 
@@ -55,7 +64,7 @@ def main():
             sink = launcher._placeholder(q.device, (1,)).view(torch.float32)  # no sink (unread)
             call_args = (q8, k8, launcher.transpose_v_fp8(v8), out, lse, cu, cu, qd, kd, vd, sink,
                          args.max_seqlen_q, args.softmax_scale, 0.0, *args.window)
-            configs = {"default": fp8_fwd_config_for(d, feat)}
+            configs = {"default": _default(d, feat)}
             configs.update({n: c for n in names if (c := VARIANTS[n](d, feat)) is not None})
             fns, outs = {}, {}
             for name, cfg in configs.items():
