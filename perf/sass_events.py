@@ -1,0 +1,67 @@
+"""The order of a forward kernel's waits and exp2s in its SASS (the code that runs), read
+without a GPU: compile for sm_90a, disassemble the DSL's cubin with nvdisasm, and print one
+line per kernel with the mainloop's events in order:
+
+    T  the ping-pong turn passed (BAR.ARV)     W1 wait for QK^T (WARPGROUP.DEPBAR.LE gsb0, 1)
+    W0 wait for PV (WARPGROUP.DEPBAR.LE gsb0, 0)   [n e]  n MUFU.EX2 in a row
+
+Intra-warpgroup overlap wants "T W1 [n e] W0": the softmax between the two waits, under the
+PV WGMMA. Session 24 found "T W1 W0 [n e]" in every FP8 and 16-bit forward (perf/NOTES.md).
+
+nvdisasm is not in the DSL wheel: `pip download --no-deps nvidia-cuda-nvdisasm` (13.x) and
+unzip it, then pass the binary's path. Run from the repo root with CUTE_DSL_ARCH=sm_90a on
+a machine without a GPU:
+
+    python3 perf/sass_events.py --nvdisasm PATH [--head-dim 128] [--dtype e4m3|bf16] [--mask none|causal]
+"""
+import argparse
+import subprocess
+import tempfile
+
+from cute_attn import ptx as ptx_tool
+from cute_attn.config import (AttnFeatures, fp8_fwd_config_for, fp8_with_persistent_grid, fwd_config_for,
+                              with_persistent_grid)
+
+EVENTS = (("WARPGROUP.DEPBAR.LE gsb0, 0x0", "W0"), ("WARPGROUP.DEPBAR.LE gsb0, 0x1", "W1"), ("MUFU.EX2", "e"))
+
+
+def events(sass: str) -> str:
+    out = []
+    for line in sass.splitlines():
+        if "BAR.ARV" in line and "0x100" in line:
+            out.append("T")
+            continue
+        out.extend(tag for pattern, tag in EVENTS if pattern in line)
+    runs = []  # consecutive exp2s collapsed into one [n e]
+    for tag in out:
+        if tag == "e" and runs and runs[-1][0] == "e":
+            runs[-1][1] += 1
+        else:
+            runs.append([tag, 1])
+    return " ".join(f"[{n}e]" if tag == "e" else tag for tag, n in runs)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nvdisasm", required=True)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="e4m3", choices=("e4m3", "bf16", "fp16"))
+    p.add_argument("--mask", default="none", choices=("none", "causal"))
+    p.add_argument("--sms", type=int, default=132, help="SMs for the persistent-grid rule")
+    a = p.parse_args()
+    f = AttnFeatures(mask=a.mask)
+    if a.dtype == "e4m3":
+        cfg = fp8_with_persistent_grid(fp8_fwd_config_for(a.head_dim, f), a.head_dim, f, a.sms)
+    else:
+        cfg = with_persistent_grid(fwd_config_for(a.head_dim, f), a.head_dim, f, a.sms)
+    art = ptx_tool.compile_fwd_artifacts(a.dtype, a.head_dim, f, cfg)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(art.cubin)
+        cubin.flush()
+        sass = subprocess.run([a.nvdisasm, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    print(cfg)
+    print(events(sass))
+
+
+if __name__ == "__main__":
+    main()
