@@ -422,10 +422,10 @@ def fp8_with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFea
     loads, which matters where the tiles are short. Head dim 64's three consumer warpgroups
     lose. The double-buffered P is dropped at hd 128: with the persistent loop's state it
     spilled 268 bytes (ptxas), so no mask at hd 128 compares one P buffer persistent
-    against two without. Dense unmasked and causal batches only (no window, varlen, sink
-    or packed GQA: not measured)."""
+    against two without. Dense unmasked and causal batches only (no window, varlen, sink,
+    softcap or packed GQA: not measured; a softcap also spilled 4 bytes at hd 128 x 224)."""
     eligible = (num_sms and features.mask in ("none", "causal") and not features.varlen
-                and not features.sink and config.pack_gqa == 1 and head_dim >= 128)
+                and not features.sink and not features.softcap and config.pack_gqa == 1 and head_dim >= 128)
     if not eligible:
         return config
     return dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal",

@@ -536,12 +536,12 @@ def transpose_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None
     memory; one read and one write of V (1 byte per element), against the forward's two
     GEMMs over it per query tile.
 
-    Dense V (batch, seqlen, heads, head_dim): returns the same shape with seqlen the
-    contiguous dim (a fresh (batch, heads, head_dim, seqlen_padded) buffer seen through a
-    permuted view). Packed varlen V (total, heads, head_dim) with its cu_seqlens_k: returns
-    a dense (batch, max_seqlen_k, heads, head_dim) view of that kind, sequence b's keys at
-    entry b (the kernel module says why). The seqlen stride is padded to 16 elements (TMA:
-    16-byte strides).
+    Dense V (batch, seqlen, heads, head_dim): returns (batch, seqlen_padded, heads,
+    head_dim) with the key the contiguous dim (a fresh (batch, heads, head_dim,
+    seqlen_padded) buffer seen through a permuted view). Packed varlen V (total, heads,
+    head_dim) with its cu_seqlens_k: returns a dense (batch, max_seqlen_k_padded, heads,
+    head_dim) view of that kind, sequence b's keys at entry b (the kernel module says why).
+    seqlen_padded: seqlen rounded up to 16 keys (TMA: 16-byte strides).
 
     Each aligned group of 16 key columns holds its keys in blocks/fp8_operand.
     V_PERMUTATION's order (the order of P's registers in the forward), so the view runs to

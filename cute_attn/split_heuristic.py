@@ -40,8 +40,9 @@ The rule (pure Python, no device query: the caller passes num_sms):
    perf/NOTES.md, session 23; CUDA graphs, 64/8 heads, one query): batch 1 x 8K keys 8
    splits 12.6 us vs 16 at 13.8, 32K 31.0 vs 32.0, 128K 105.8 vs 98.6 (16 ahead there
    only); batch 2 x 8K 4 splits 18.7 vs 8 at 24.1, 32K 58.7 vs 16 at 58.0.
-2c. But every SM where each split would still read >= FULL_GRID_MIN_SPLIT_BYTES of K and
-   V (the caller passes kv_block_bytes; the launcher does at head dim <= 64 only). Head
+2c. But every SM where half of them split the tiles already (>= 2 splits) and each split
+   would still read >= FULL_GRID_MIN_SPLIT_BYTES of K and V (the caller passes
+   kv_block_bytes; the launcher does at head dim <= 64 only). Head
    dim 64's split tile (config.split_decode_config) has one consumer warpgroup, so each
    CTA draws less bandwidth than the 128-row tile's. Measured on an H100 in CUDA graphs
    (perf/ab_splits.py --graph, perf/NOTES.md session 24), 64/8 heads, one query: head dim
@@ -132,7 +133,9 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q_tiles: int, kv_blocks
         if tiles >= MEMORY_BOUND_FILL_FRACTION * target:
             return 1
         every_sm = min(num_sms // tiles, max_splits)
-        if target < num_sms and every_sm > 1 and \
+        # only where half the SMs split already (measured at 8-32 tiles; 34-59 tiles would
+        # go from unsplit to 2-3 splits, unmeasured)
+        if target < num_sms and target // tiles >= 2 and \
                 kv_blocks // every_sm * kv_block_bytes >= FULL_GRID_MIN_SPLIT_BYTES:
             target = num_sms  # step 2c
     by_length = kv_blocks // MIN_BLOCKS_PER_SPLIT

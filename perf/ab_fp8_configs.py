@@ -8,10 +8,11 @@ measurements behind fp8_fwd_config_for's double-buffered P at hd 128 and its til
     python3 perf/ab_fp8_configs.py 5 128,256,64 pdouble,psingle     # the P buffers
     python3 perf/ab_fp8_configs.py 5 128 192x96,192x128,s3           # tiles at hd 128
 
-Variants ((head dim, features) -> a config, None where it does not apply):
-    pdouble / psingle  the default with p_double_buffer on / off
+"default" is what mha runs (fp8_fwd_config_for on fp8_with_persistent_grid's grid). Variants
+((head dim, features) -> a config, None where it does not apply):
+    pdouble / psingle  fp8_fwd_config_for's tiles, one tile per CTA, p_double_buffer on / off
     192x96, 192x128    three consumer warpgroups
-    s3                 the default with three stages
+    s3                 fp8_fwd_config_for's tiles with three stages, one tile per CTA
     persist            a persistent grid (one CTA per SM; causal: the tile queue), one P buffer
                        (two spill at hd 128 x 224 there)
     nopp / noiwo       the default without ping-pong / without intra-warpgroup overlap
@@ -55,7 +56,7 @@ def main():
     print(torch.cuda.get_device_name(), flush=True)
     for d, s in [(d, s) for d in head_dims for s in seqlens]:
         for causal in (False, True):
-            h, b = 2048 // d, 16384 // s
+            h, b = 2048 // d, max(16384 // s, 1)
             q, k, v = harness.random_qkv(b, s, h, d, torch.bfloat16, seed=d)
             feat, args = api._features_and_args(causal, (-1, -1), 0.0, d ** -0.5)
             cu = launcher._unused_cu_seqlens(q.device)

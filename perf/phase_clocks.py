@@ -136,9 +136,9 @@ def main():
     feat, args = api._features_and_args(False, (-1, -1), 0.0, d ** -0.5)
     q, k, v = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out, lse = torch.empty_like(q), torch.empty(1, h, s, device="cuda")
-    buf = torch.zeros(132 * 2 * SLOTS, dtype=torch.int32, device="cuda")
-    cu = launcher._unused_cu_seqlens(q.device)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    buf = torch.zeros(sms * 2 * SLOTS, dtype=torch.int32, device="cuda")  # (CTA, warpgroup, slot)
+    cu = launcher._unused_cu_seqlens(q.device)
     if kind == "fp8":
         cfg = fp8_with_persistent_grid(fp8_fwd_config_for(d, feat), d, feat, sms)
         q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
@@ -156,7 +156,7 @@ def main():
     for _ in range(3):
         call()
     torch.cuda.synchronize()
-    t = buf.view(132, 2, SLOTS).cpu().long()
+    t = buf.view(sms, 2, SLOTS).cpu().long()
     names = ORDER[1:]
     steps = t[:, :, 31].clamp(min=1)
     print("steps per tile (median):", int(steps.median()))

@@ -329,12 +329,19 @@ def run_case(case):
     torch.cuda.synchronize()
 
 
+_DEFAULT_CHOICES = {}  # (module, name) -> the function a forced config replaces
+
+
 def force_config(name):
-    """Swap the launcher's config choice for a case's forced one (this child only)."""
+    """Swap the launcher's config choice for a case's forced one; every case first puts the
+    defaults back, so a child that runs several cases forces nothing on the later ones."""
     import dataclasses
 
-    from cute_attn import config, launcher
+    from cute_attn import config, launcher, tuning
 
+    for module, attr in ((launcher, "fp8_with_persistent_grid"), (launcher, "fp8_fwd_config_for"),
+                         (launcher, "bwd_config_for"), (tuning, "with_persistent_grid")):
+        setattr(module, attr, _DEFAULT_CHOICES.setdefault((module, attr), getattr(module, attr)))
     if name == "p_double_buffer":
         # one tile per CTA: the persistent FP8 grid has one P buffer
         launcher.fp8_with_persistent_grid = lambda cfg, *a: cfg
@@ -344,7 +351,6 @@ def force_config(name):
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2)
     elif name == "round_robin":
-        from cute_attn import tuning
         tuning.with_persistent_grid = lambda *a, **kw: dataclasses.replace(
             config.with_persistent_grid(*a, **kw), tile_queue=False)
     elif name is not None:

@@ -55,6 +55,8 @@ def main():
     else:
         cfg = with_persistent_grid(fwd_config_for(a.head_dim, f), a.head_dim, f, a.sms)
     art = ptx_tool.compile_fwd_artifacts(a.dtype, a.head_dim, f, cfg)
+    if art.cubin is None:
+        raise SystemExit("no cubin was built (the DSL's --keep-cubin gave none)")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(art.cubin)
         cubin.flush()

@@ -482,6 +482,24 @@ def test_fp8_forward_compiles_with_e4m3_wgmma(head_dim, mask):
         assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_fp8_persistent_forward_compiles_without_spills(head_dim, mask):
+    """config.fp8_with_persistent_grid's kernels (what mha runs on a GPU at head dims 128
+    and 256) compile spill-free; a softcap keeps one tile per CTA (it spilled 4 bytes on
+    the persistent grid at 128 x 224)."""
+    from cute_attn.config import fp8_fwd_config_for, fp8_with_persistent_grid
+
+    features = AttnFeatures(mask=mask)
+    config = fp8_with_persistent_grid(fp8_fwd_config_for(head_dim, features), head_dim, features, 132)
+    assert config.persistent_ctas == 132
+    art = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, config)
+    if art.cubin is not None:
+        assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
+    capped = AttnFeatures(mask=mask, softcap=True)
+    assert fp8_with_persistent_grid(fp8_fwd_config_for(head_dim, capped), head_dim, capped, 132).persistent_ctas == 0
+
+
 # a shuffle whose source lane is computed (P's quad exchange), not a constant broadcast
 _LANE_FROM_REGISTER = r"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, %r\d+"
 

@@ -486,8 +486,8 @@ def test_fp8_sink_is_checked_and_reaches_the_kernel(monkeypatch):
 def test_fp8_persistent_grid_where_it_measured_faster():
     """config.fp8_with_persistent_grid: head dims 128 and 256, unmasked (round robin) or
     causal (the tile queue), with one P buffer (two spilled on the persistent loop); not
-    head dim 64 (it lost 5% at 16K), not a window, varlen or sink (not measured), and not
-    without a GPU to size the grid."""
+    head dim 64 (it lost 5% at 16K), not a window, varlen, sink or softcap (not measured),
+    not packed GQA, and not without a GPU to size the grid."""
     import dataclasses
 
     from cute_attn.config import AttnFeatures, fp8_fwd_config_for, fp8_with_persistent_grid
@@ -497,8 +497,10 @@ def test_fp8_persistent_grid_where_it_measured_faster():
         cfg = fp8_with_persistent_grid(fp8_fwd_config_for(d, f), d, f, 132)
         assert cfg.persistent_ctas == 132 and cfg.tile_queue == (mask == "causal") and not cfg.p_double_buffer
     for d, f in ((64, AttnFeatures()), (128, AttnFeatures(mask="local")), (128, AttnFeatures(varlen=True)),
-                 (128, dataclasses.replace(AttnFeatures(), sink=True))):
+                 (128, dataclasses.replace(AttnFeatures(), sink=True)), (128, AttnFeatures(softcap=True))):
         base = fp8_fwd_config_for(d, f)
         assert fp8_with_persistent_grid(base, d, f, 132) == base
     f = AttnFeatures()
     assert fp8_with_persistent_grid(fp8_fwd_config_for(128, f), 128, f, None) == fp8_fwd_config_for(128, f)
+    packed = fp8_fwd_config_for(128, f, pack_gqa=4)
+    assert fp8_with_persistent_grid(packed, 128, f, 132) == packed

@@ -689,11 +689,10 @@ def test_h200_decode_fills_every_sm():
     assert choose_num_splits(batch=8, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256) == 1
 
 
-
 def test_h100_decode_fills_every_sm_where_splits_stay_long():
-    """split_heuristic step 2c: on an H100 a decode takes every SM instead of half where
-    each split still reads >= 1 MB of K and V (kv_block_bytes per KV block), else half;
-    the launcher asks it at head dim <= 64 only (choose_splits)."""
+    """split_heuristic step 2c: on an H100 a decode that half the SMs already split takes
+    every SM where each split still reads >= 1 MB of K and V (kv_block_bytes per KV
+    block), else half; the launcher asks it at head dim <= 64 only (choose_splits)."""
     hd128, hd64 = 2 * 128 * 128 * 2, 2 * 128 * 64 * 2  # K and V bytes of a 128-key block
     one = dict(batch=1, nheads_kv=8, seqlen_q_tiles=1)
     assert choose_num_splits(**one, kv_blocks=256, kv_block_bytes=hd128) == 16  # 32K: 1 MB per split
@@ -706,6 +705,9 @@ def test_h100_decode_fills_every_sm_where_splits_stay_long():
     # a full grid stays unsplit, and an H200 already takes every SM
     assert choose_num_splits(batch=8, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256, kv_block_bytes=hd128) == 1
     assert choose_num_splits(**one, kv_blocks=64, kv_block_bytes=hd128, hbm_gbs=4800.0) == 16
+    # 34-59 tiles, which half the SMs leave unsplit, stay unsplit (unmeasured there)
+    for batch in (5, 6, 7):
+        assert choose_num_splits(batch=batch, nheads_kv=8, seqlen_q_tiles=1, kv_blocks=256, kv_block_bytes=hd64) == 1
 
 
 def test_choose_splits_takes_every_sm_at_head_dim_64_only():

@@ -1178,7 +1178,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self,
         mQ: cute.Tensor,
         mK: cute.Tensor,
-        mVt: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim), seqlen_k contiguous
+        mVt: cute.Tensor,  # (batch, keys padded to 16, heads_kv, head_dim), keys contiguous and permuted
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mCuSeqlensQ: cute.Tensor,

@@ -28,10 +28,10 @@ writing a 16-key chunk reads its 16 bytes from shared memory in that order (byte
 column reads either way).
 
 Keys past seqlen are not loaded but written as zeros, up to the next multiple of 16 (the
-padded stride): in a dense V^T they are never read (the forward's tensor map stops at
-seqlen); in a varlen one they are the columns between a sequence's length and the longest,
-which the forward does read, and multiplies by P = 0: zeros keep that 0, garbage could be
-NaN.
+padded stride). The forward reads every column up to that padded length (the permutation
+puts some of a last group's keys in columns past seqlen and zeros in columns before it),
+and in a varlen V^T also the columns between a sequence's length and the longest; it
+multiplies those zero rows by P = 0: zeros keep that 0, garbage could be NaN.
 """
 
 import cutlass
@@ -42,7 +42,7 @@ from cute_attn.blocks.fp8_operand import V_PERMUTATION
 from cute_attn.blocks.seqlen import packed_span
 from cute_attn.blocks.tile_scheduler import TileScheduler
 
-KEYS = 64  # keys per CTA: one 16-key column chunk per warp
+KEYS = 64  # keys per CTA: four 16-key column chunks, written by lane pairs (two per sector)
 THREADS = 128
 CHUNK = 16  # bytes per global access
 
