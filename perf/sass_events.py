@@ -4,9 +4,11 @@ line per kernel with the mainloop's events in order:
 
     T  the ping-pong turn passed (BAR.ARV)     W1 wait for QK^T (WARPGROUP.DEPBAR.LE gsb0, 1)
     W0 wait for PV (WARPGROUP.DEPBAR.LE gsb0, 0)   [n e]  n MUFU.EX2 in a row
+    G  a WGMMA group issued (its last WGMMA, the one that commits it)
 
-Intra-warpgroup overlap wants "T W1 [n e] W0": the softmax between the two waits, under the
-PV WGMMA. Session 24 found "T W1 W0 [n e]" in every FP8 and 16-bit forward (perf/NOTES.md).
+Intra-warpgroup overlap wants "G G T W1 [n e] W0": the softmax between the two waits, under
+the PV WGMMA. Session 24 found "G G T W1 W0 [n e]" in every FP8 and 16-bit forward
+(perf/NOTES.md).
 
 nvdisasm is not in the DSL wheel: `pip download --no-deps nvidia-cuda-nvdisasm` (13.x) and
 unzip it, then pass the binary's path. Run from the repo root with CUTE_DSL_ARCH=sm_90a on
@@ -30,6 +32,9 @@ def events(sass: str) -> str:
     for line in sass.splitlines():
         if "BAR.ARV" in line and "0x100" in line:
             out.append("T")
+            continue
+        if "GMMA." in line and "gsb0" in line:  # the last WGMMA of a committed group
+            out.append("G")
             continue
         out.extend(tag for pattern, tag in EVENTS if pattern in line)
     runs = []  # consecutive exp2s collapsed into one [n e]
