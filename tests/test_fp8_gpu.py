@@ -194,6 +194,44 @@ def test_fp8_persistent_grid_walks_many_tiles(d, mask):
     _check(q8, k8, v8, qd, kd, vd, mask=mask)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_v_transpose_layout(d):
+    """launcher.transpose_v_fp8, dense and varlen, against torch: V^T (keys contiguous)
+    padded to 16 keys, each aligned 16-key group in blocks/fp8_operand.V_PERMUTATION's
+    order counted from each sequence's first key, zeros for keys past a sequence's length
+    (dense: up to the padding; varlen: up to the longest sequence's padded length). The
+    output buffer is poisoned by the allocator first."""
+    from cute_attn import launcher
+    from cute_attn.blocks.fp8_operand import V_PERMUTATION
+
+    gen = torch.Generator(device="cuda").manual_seed(d)
+
+    def expected(v_seq, padded):  # (keys, heads, d) bytes -> (padded, heads, d) in V^T's key order
+        full = torch.zeros((padded,) + tuple(v_seq.shape[1:]), dtype=torch.uint8, device="cuda")
+        full[:v_seq.shape[0]] = v_seq
+        perm = torch.tensor([16 * g + p for g in range(padded // 16) for p in V_PERMUTATION], device="cuda")
+        return full[perm]
+
+    keys = 16 * 9 + 7
+    v8 = torch.randn(2, keys, 3, d, generator=gen, device="cuda").to(torch.float8_e4m3fn)
+    padded = -(-keys // 16) * 16
+    poison_allocator(2 * 3 * d * padded)  # 0xFF bytes: an e4m3 NaN, never a value of v8
+    vt = launcher.transpose_v_fp8(v8)
+    assert vt.shape == (2, padded, 3, d) and vt.stride(1) == 1
+    for b in range(2):
+        assert torch.equal(vt[b].view(torch.uint8), expected(v8[b].view(torch.uint8), padded))
+    lens = [5, 0, 40, 33]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    packed = torch.randn(sum(lens), 3, d, generator=gen, device="cuda").to(torch.float8_e4m3fn)
+    padded = -(-max(lens) // 16) * 16
+    poison_allocator(len(lens) * 3 * d * padded)
+    vt = launcher.transpose_v_fp8(packed, cu, max(lens))
+    assert vt.shape == (len(lens), padded, 3, d)
+    for b, n in enumerate(lens):
+        seq = packed[int(cu[b]):int(cu[b]) + n].view(torch.uint8)
+        assert torch.equal(vt[b].view(torch.uint8), expected(seq, padded)), f"sequence {b}"
+
+
 def test_fp8_varlen():
     gen = torch.Generator(device="cuda").manual_seed(21)
     lens_q, lens_k = [17, 0, 300, 129], [40, 5, 290, 700]
