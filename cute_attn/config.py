@@ -408,6 +408,7 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
     return persistent if fwd_smem_bytes(persistent, head_dim) <= SM90_SMEM_BYTES else config
 
 
+@functools.lru_cache(maxsize=256)  # run_fwd_fp8 asks on every call
 def fp8_with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeatures,
                              num_sms: Optional[int]) -> FwdConfig:
     """The FP8 forward's config (fp8_fwd_config_for) with a persistent grid of num_sms CTAs

@@ -587,8 +587,7 @@ def run_fwd_fp8(q, k, v, descales, policy, features: AttnFeatures, args: RunArgs
             ds = ones
         scales.append(ds)
     q4, k4, _, cu_q, cu_k = _kernel_inputs(q, k, v, features, args)
-    if config.tile_queue and uses_tile_queue(config, _work_tiles(q, features, args, config)):
-        cu_q = _tile_queue(q.device)
+    cu_q = _tile_queue_or(cu_q, q, features, args, config)
     if features.varlen:
         vt4 = transpose_v_fp8(v, args.cu_seqlens_k, args.max_seqlen_k)
     else:
@@ -629,8 +628,7 @@ def run_fwd_mods(q, k, v, features: AttnFeatures, args: RunArgs, mask_mod, score
                                 varlen=args if features.varlen else None)
     if sink is None:
         sink = _placeholder(q.device, (1,)).view(torch.float32)
-    if config.tile_queue and uses_tile_queue(config, _work_tiles(q, features, args, config)):
-        cu_q = _tile_queue(q.device)
+    cu_q = _tile_queue_or(cu_q, q, features, args, config)
     fn(q4, k4, v4, out4, lse3, cu_q, cu_k, *lists, aux, sink, *_dropout_arguments(q.device, args),
        args.max_seqlen_q, args.softmax_scale, args.softcap, args.window[0], args.window[1])
     return out, (lse if need_lse else None)
@@ -722,6 +720,14 @@ def _make_plan(q, k, features: AttnFeatures, args: RunArgs, config: Optional[Fwd
         config = unsplit_decode_config(config, q.shape[-1], q.shape[1] * config.pack_gqa)
     fn = get_fwd_kernel(FwdKey(DTYPE_OF_INPUT[q.dtype].name, q.shape[-1], features, config))
     return _Plan(fn, 1, 0, uses_tile_queue(config, _work_tiles(q, features, args, config)))
+
+
+def _tile_queue_or(cu_seqlens_q, q, features: AttnFeatures, args: RunArgs, config: FwdConfig):
+    """What a dense forward passes in its cu_seqlens_q slot: the tile queue's counter where
+    the launch reads it (uses_tile_queue), else cu_seqlens_q (a placeholder)."""
+    if config.tile_queue and uses_tile_queue(config, _work_tiles(q, features, args, config)):
+        return _tile_queue(q.device)
+    return cu_seqlens_q
 
 
 def uses_tile_queue(config: FwdConfig, tiles: int) -> bool:
