@@ -287,6 +287,10 @@ class FwdConfig(_WarpSpecialized):
     # bits applied after the QK^T wait; off: the mod evaluated after that wait, on the
     # softmax's path.
     mask_before_scores: bool = False
+    # intra_wg_overlap: the wait on PV(j-1) pinned below softmax(j)'s exp2s (mma_sm90.
+    # wait_all_groups_after), so the softmax runs under PV, instead of where ptxas puts it
+    # (above them). Not with p_double_buffer (ptxas serialised the WGMMAs: registers).
+    pv_wait_after_softmax: bool = False
 
     @property
     def kv_box_rows(self) -> int:
@@ -311,6 +315,8 @@ class FwdConfig(_WarpSpecialized):
             raise ValueError(f"tile_n must be a multiple of 16, got {self.tile_n}")
         if self.persistent_ctas < 0:
             raise ValueError(f"persistent_ctas must be >= 0, got {self.persistent_ctas}")
+        if self.pv_wait_after_softmax and self.p_double_buffer:
+            raise ValueError("pv_wait_after_softmax and p_double_buffer exclude each other")
         if self.tile_queue and not self.persistent_ctas:
             raise ValueError("tile_queue needs a persistent grid (persistent_ctas > 0)")
         if self.persistent_ctas and self.split_kv:
@@ -356,6 +362,8 @@ def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1)
             # head dims 64 and 256 within +-1.5%: there the bulk has too few block pairs.
             # A persistent grid drops it (fp8_with_persistent_grid: it spilled there)
             cfg = dataclasses.replace(cfg, p_double_buffer=True)
+    if head_dim <= 128:
+        cfg = dataclasses.replace(cfg, pv_wait_after_softmax=_fp8_pv_wait_late(head_dim, cfg.p_double_buffer))
     else:
         # a window with a softcap spilled 252 bytes at 128 keys per block (ptxas)
         cfg = FwdConfig(tile_m=128, tile_n=64 if features.local else 128, num_stages=2)
@@ -409,6 +417,15 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
 
 
 @functools.lru_cache(maxsize=256)  # run_fwd_fp8 asks on every call
+def _fp8_pv_wait_late(head_dim: int, p_double_buffer: bool) -> bool:
+    """FwdConfig.pv_wait_after_softmax for the FP8 forward. Measured on an H100 (perf/NOTES.md,
+    session 25; perf/ab_fp8_configs.py 5 128,256,64 pvlate), 16K / 4K tokens: head dim 128
+    +4.5 / +4.4%, causal +1.9 / +0.9%; head dim 64 +3.0 / +3.0%, causal level; head dim 256
+    level (the 16-bit forward lost 1-3% with it). Not with two P buffers: ptxas ran out of
+    registers for both and serialised the WGMMAs (C7512)."""
+    return head_dim <= 128 and not p_double_buffer
+
+
 def fp8_with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeatures,
                              num_sms: Optional[int]) -> FwdConfig:
     """The FP8 forward's config (fp8_fwd_config_for) with a persistent grid of num_sms CTAs
@@ -430,7 +447,7 @@ def fp8_with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFea
     if not eligible:
         return config
     return dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal",
-                               p_double_buffer=False)
+                               p_double_buffer=False, pv_wait_after_softmax=_fp8_pv_wait_late(head_dim, False))
 
 
 # The portable cluster size limit on sm_90 (16 needs a non-portable opt-in)

@@ -16,6 +16,7 @@ measurements behind fp8_fwd_config_for's double-buffered P at hd 128 and its til
     persist            a persistent grid (one CTA per SM; causal: the tile queue), one P buffer
                        (two spill at hd 128 x 224 there)
     nopp / noiwo       the default without ping-pong / without intra-warpgroup overlap
+    pvlate             the default with the PV wait pinned below the exp2s (pv_wait_after_softmax)
 """
 import dataclasses
 import sys
@@ -44,6 +45,7 @@ VARIANTS = {
     "persist": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), persistent_ctas=gpu_sm_count(0),
                                                 tile_queue=f.mask == "causal", p_double_buffer=False),
     "nopp": lambda d, f: dataclasses.replace(_default(d, f), pingpong=False),
+    "pvlate": lambda d, f: dataclasses.replace(_default(d, f), pv_wait_after_softmax=True),
     "noiwo": lambda d, f: dataclasses.replace(_default(d, f), intra_wg_overlap=False, p_double_buffer=False),
 }
 

@@ -6,11 +6,12 @@ each variant's output is compared with the default's (max |diff|; bf16 rounding 
 different block order is ~1e-3 on these inputs, a wrong kernel is O(1)).
 
     python3 perf/ab_fwd_configs.py [--rounds 5] [--headdims 128] [--seqlens 4096,16384]
-                                   [--variants n144,n176,s3] [--causal 0,1]
+                                   [--variants n144,n176,s3] [--causal 0,1] [--base table|mha]
 
 A variant name is a field and a value, applied to the default: n<keys> (tile_n),
 m<rows> (tile_m), s<stages> (num_stages), p<ctas> (persistent_ctas: 132 on an H100 SXM or
-H200; q<ctas>: the same with the tile queue). `copy` is the default itself timed again
+H200; q<ctas>: the same with the tile queue), pvlate (pv_wait_after_softmax); joined by
+`+`, several at once (p132+pvlate). `copy` is the default itself timed again
 under another name: the same-config spread of a run, the noise floor against which the
 other variants' ratios are read.
 """
@@ -30,6 +31,12 @@ FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages", "p": "persistent_ctas
 def variant(base, name: str):
     if name == "copy":
         return base
+    if "+" in name:  # several changes at once, applied left to right
+        for part in name.split("+"):
+            base = variant(base, part)
+        return base
+    if name == "pvlate":  # FwdConfig.pv_wait_after_softmax
+        return dataclasses.replace(base, pv_wait_after_softmax=True)
     if name[0] == "q":  # persistent with the tile queue
         return dataclasses.replace(base, persistent_ctas=int(name[1:]), tile_queue=True)
     return dataclasses.replace(base, **{FIELDS[name[0]]: int(name[1:])})
@@ -42,9 +49,12 @@ def main(argv=None) -> int:
     p.add_argument("--seqlens", type=harness.parse_int_list, default=[4096, 16384])
     p.add_argument("--causal", type=harness.parse_flag_list, default=[0, 1])
     p.add_argument("--variants", default="n176")
+    p.add_argument("--base", choices=("table", "mha"), default="table",
+                   help="table: fwd_config_for's tiles, one tile per CTA; mha: what mha runs (its persistent grid)")
     args = p.parse_args(argv)
     from cute_attn import launcher
-    from cute_attn.config import AttnFeatures, fwd_config_for
+    from cute_attn.config import AttnFeatures, fwd_config_for, with_persistent_grid
+    from cute_attn.tuning import gpu_sm_count
 
     print(harness.cuda_setup("perf/ab_fwd_configs.py"), flush=True)
     impls, _ = harness.load_impls(("fa4",))
@@ -52,6 +62,8 @@ def main(argv=None) -> int:
         for causal in map(bool, args.causal):
             features = AttnFeatures(mask="causal" if causal else "none")
             base = fwd_config_for(d, features)
+            if args.base == "mha":
+                base = with_persistent_grid(base, d, features, gpu_sm_count(0))
             configs = {"default": base}
             for name in args.variants.split(","):
                 if name == "copy" or variant(base, name) not in configs.values():  # not the default renamed

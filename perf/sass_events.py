@@ -15,8 +15,11 @@ unzip it, then pass the binary's path. Run from the repo root with CUTE_DSL_ARCH
 a machine without a GPU:
 
     python3 perf/sass_events.py --nvdisasm PATH [--head-dim 128] [--dtype e4m3|bf16] [--mask none|causal]
+                                [--set pv_wait_after_softmax=True]
 """
 import argparse
+import ast
+import dataclasses
 import subprocess
 import tempfile
 
@@ -53,12 +56,17 @@ def main():
     p.add_argument("--dtype", default="e4m3", choices=("e4m3", "bf16", "fp16"))
     p.add_argument("--mask", default="none", choices=("none", "causal"))
     p.add_argument("--sms", type=int, default=132, help="SMs for the persistent-grid rule")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a FwdConfig field of the default (Python literal), e.g. pv_wait_after_softmax=True")
     a = p.parse_args()
     f = AttnFeatures(mask=a.mask)
     if a.dtype == "e4m3":
         cfg = fp8_with_persistent_grid(fp8_fwd_config_for(a.head_dim, f), a.head_dim, f, a.sms)
     else:
         cfg = with_persistent_grid(fwd_config_for(a.head_dim, f), a.head_dim, f, a.sms)
+    for item in a.set:
+        field, value = item.split("=", 1)
+        cfg = dataclasses.replace(cfg, **{field: ast.literal_eval(value)})
     art = ptx_tool.compile_fwd_artifacts(a.dtype, a.head_dim, f, cfg)
     if art.cubin is None:
         raise SystemExit("no cubin was built (the DSL's --keep-cubin gave none)")

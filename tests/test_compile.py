@@ -496,6 +496,14 @@ def test_fp8_persistent_forward_compiles_without_spills(head_dim, mask):
     art = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, config)
     if art.cubin is not None:
         assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
+        # ptxas falls back to one WGMMA at a time (C7510-C7515) when it cannot keep the
+        # asynchronous groups apart: registers, or a path without the PV wait
+        assert "serialized" not in art.ptxas_report, art.ptxas_report
+    # FwdConfig.pv_wait_after_softmax at head dim 128: the warp-uniform gate on the row sums
+    # and the wait on its never-taken side (mma_sm90.wait_all_groups_after)
+    assert config.pv_wait_after_softmax == (head_dim == 128)
+    gated = "vote.sync.all.pred" in art.ptx and "// the other path" in art.ptx
+    assert gated == config.pv_wait_after_softmax
     capped = AttnFeatures(mask=mask, softcap=True)
     assert fp8_with_persistent_grid(fp8_fwd_config_for(head_dim, capped), head_dim, capped, 132).persistent_ctas == 0
 

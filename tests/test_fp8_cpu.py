@@ -504,3 +504,29 @@ def test_fp8_persistent_grid_where_it_measured_faster():
     assert fp8_with_persistent_grid(fp8_fwd_config_for(128, f), 128, f, None) == fp8_fwd_config_for(128, f)
     packed = fp8_fwd_config_for(128, f, pack_gqa=4)
     assert fp8_with_persistent_grid(packed, 128, f, 132) == packed
+
+
+def test_fp8_pv_wait_after_softmax_where_it_measured_faster():
+    """config._fp8_pv_wait_late: the PV wait pinned below the exp2s at head dims 64 and 128
+    (+3-4.5% unmasked on an H100), not at 256 (level) and never beside two P buffers
+    (ptxas serialised the WGMMAs there); the persistent grid, which drops the second
+    buffer, takes it back at head dim 128."""
+    import dataclasses
+
+    from cute_attn.config import AttnFeatures, FwdConfig, fp8_fwd_config_for, fp8_with_persistent_grid
+
+    sink = dataclasses.replace(AttnFeatures(), sink=True)
+    for d, f, want in ((64, AttnFeatures(), True), (64, AttnFeatures(mask="causal"), True),
+                       (64, AttnFeatures(mask="local", softcap=True), True), (128, AttnFeatures(mask="causal"), True),
+                       (128, AttnFeatures(varlen=True), True), (128, sink, False), (256, AttnFeatures(), False),
+                       (256, AttnFeatures(mask="causal"), False)):
+        cfg = fp8_fwd_config_for(d, f)
+        assert cfg.pv_wait_after_softmax == want, (d, f)
+        assert not (cfg.pv_wait_after_softmax and cfg.p_double_buffer)
+    plain = AttnFeatures()
+    assert fp8_fwd_config_for(128, plain).p_double_buffer and not fp8_fwd_config_for(128, plain).pv_wait_after_softmax
+    persistent = fp8_with_persistent_grid(fp8_fwd_config_for(128, plain), 128, plain, 132)
+    assert persistent.pv_wait_after_softmax and not persistent.p_double_buffer
+    assert not fp8_with_persistent_grid(fp8_fwd_config_for(256, plain), 256, plain, 132).pv_wait_after_softmax
+    with pytest.raises(ValueError, match="exclude each other"):
+        FwdConfig(tile_m=128, tile_n=128, num_stages=2, p_double_buffer=True, pv_wait_after_softmax=True)

@@ -13,8 +13,10 @@ from typing import Optional, Type
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def make_tiled_mma(
@@ -82,6 +84,49 @@ def gemm(
     warpgroup.commit_group()
     if cutlass.const_expr(wait_groups >= 0):
         warpgroup.wait_group(wait_groups)
+
+
+@dsl_user_op
+def _nonnegative_or_nan_in_warp(x: Float32, *, loc=None, ip=None) -> Int32:
+    """1 when x >= 0 or NaN in every lane of the warp (a warp-uniform value), else 0."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            "{ .reg .pred p; setp.geu.f32 p, $1, 0f00000000; vote.sync.all.pred p, p, 0xffffffff;"
+            " selp.u32 $0, 1, 0, p; }",
+            "=r,f",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def _wait_all_groups_other_path(*, loc=None, ip=None):
+    """wgmma.wait_group 0 as an asm statement of its own: the never-taken side of
+    wait_all_groups_after's branch, which must not look like the taken side (LLVM would
+    hoist two identical waits above the branch, undoing it)."""
+    llvm.inline_asm(None, [], "wgmma.wait_group.sync.aligned 0; // the other path", "",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@cute.jit
+def wait_all_groups_after(nonnegative: Float32):
+    """Wait for every WGMMA group in flight, no earlier than the value nonnegative (>= 0 or
+    NaN by construction, e.g. a sum of exp2s) is computed.
+
+    ptxas 13 schedules `wgmma.wait_group` freely among register-only work: in the forward
+    it lifted the wait on PV(j-1) above all of softmax(j)'s exp2s, so the softmax never ran
+    under PV (perf/NOTES.md, session 24). A branch on a value computed from the exp2s pins
+    the wait below them; both sides wait (ptxas serialises every WGMMA when a path lacks
+    the wait), and the test is warp-uniform (vote.all), so no warp diverges at the
+    warpgroup-wide wait."""
+    if _nonnegative_or_nan_in_warp(nonnegative) != 0:
+        warpgroup.wait_group(0)
+    else:
+        _wait_all_groups_other_path()
 
 
 def acc_layout_rows_cols(layout: cute.Layout) -> cute.Layout:

@@ -224,6 +224,7 @@ class FlashFwdSm90:
         self.kv_box_rows = config.kv_box_rows
         # only a mask mod's ModTile packs its verdicts into bits
         self.mask_before_scores = config.mask_before_scores and features.mask_mod is not None
+        self.pv_wait_after_softmax = config.pv_wait_after_softmax and self.intra_wg_overlap
         assert self.page_size == 0 or features.kv_lengths, "a paged cache needs kv_lengths"
         assert not self.fp8 or (self.page_size == 0 and not self.split_kv and self.tile_n % 32 == 0)
         assert self.pack_gqa == 1 or (not features.varlen and self.tile_m % self.pack_gqa == 0)
@@ -872,10 +873,10 @@ class FlashFwdSm90:
             drops = self.draw_drops(dropout, acc_S, ops.tScS, m_block, n_block)
             if cutlass.const_expr(p_write is not None):
                 self.scores_to_p(acc_S, p_write, dropout, drops)  # beside the PV WGMMA, which reads p_read
-                warpgroup.wait_group(0)
+                self.wait_pv(softmax)
                 pipes.v.consumer_release(v_state)
             else:
-                warpgroup.wait_group(0)
+                self.wait_pv(softmax)
                 pipes.v.consumer_release(v_state)
                 self.scores_to_p(acc_S, ops.tOrP, dropout, drops)
         else:
@@ -900,6 +901,20 @@ class FlashFwdSm90:
             self.scores_to_p(acc_S, ops.tOrP, dropout, drops)
             kv_state = self.pv_step(tiled_mma_pv, ops, pipes.v, kv_state)
         return kv_state
+
+    @cute.jit
+    def wait_pv(self, softmax: OnlineSoftmax):
+        """Intra-warpgroup overlap: wait for the PV WGMMA issued beside this block's QK^T;
+        with pv_wait_after_softmax, below the softmax's last exp2 (its row sums depend on
+        every one)."""
+        if cutlass.const_expr(self.pv_wait_after_softmax):
+            row_sums = softmax.row_sum
+            total = row_sums[0]
+            for r in cutlass.range_constexpr(1, cute.size(row_sums)):
+                total = total + row_sums[r]
+            mma_sm90.wait_all_groups_after(total)
+        else:
+            warpgroup.wait_group(0)
 
     @cute.jit
     def draw_drops(self, dropout, acc_S, tScS, m_block, n_block):
