@@ -345,7 +345,8 @@ def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1)
     epilogue). Measured on an H100, 16K tokens, TF/s with the V transpose included
     (perf/NOTES.md, session 9):
       head dim 128: 128 x 224 798 non-causal (128 x 128: 767, 192: 791, 256 spills: 755);
-                    causal 128 x 128 748 (224: 722: the diagonal's masked blocks cost more)
+                    causal 128 x 128 748 (224: 722: the diagonal's masked blocks cost more);
+                    since session 25 (the softmax under PV) 192 keys, unmasked and causal
       head dim 256: 128 x 128 1068 / 953 causal (64: 874 / 809, 96: 967 / 896)
       head dim 64:  192 x 160 576 non-causal, 192 x 128 527 causal (128 x 128: 456 / 444)"""
     if head_dim <= 64:
@@ -356,7 +357,10 @@ def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1)
         else:
             cfg = FwdConfig(tile_m=192, tile_n=128 if features.causal_like else 160, num_stages=2)
     elif head_dim <= 128:
-        cfg = FwdConfig(tile_m=128, tile_n=128 if features.causal_like else 224, num_stages=2)
+        # 192 keys since the softmax runs under PV (pv_wait_after_softmax), H100 4K / 16K:
+        # +2.2 / +1.6% over 224 unmasked, +2.2 / +0.8% over 128 causal (160: -2..-5%;
+        # perf/NOTES.md, session 25). A window keeps 128 (not measured at 192)
+        cfg = FwdConfig(tile_m=128, tile_n=128 if features.local else 192, num_stages=2)
         if features.mask == "none" and not (features.softcap or features.varlen or features.kv_lengths):
             # +4.4% and +4.8% in two H100 A/Bs at 16K (session 15); causal -4.4..-3.8%,
             # head dims 64 and 256 within +-1.5%: there the bulk has too few block pairs.
@@ -498,7 +502,7 @@ def unsplit_decode_config(config: FwdConfig, head_dim: int, packed_rows: int) ->
     do paged caches and other head dims (not measured)."""
     # pack_gqa > 1 only where a call packs GQA (never varlen, mods, a sink or dropout:
     # pack_gqa_for); the tile is the measured one as a whole (128 keys, 2 stages, no tree
-    # row sums), not the default with fewer rows (a non-causal default has 224 keys)
+    # row sums), not the default with fewer rows (the FP8 one has 192 keys)
     if (config.pack_gqa > 1 and config.tile_m == 128 and packed_rows <= 64 and head_dim == 128
             and config.page_size == 0 and not config.split_kv):
         return FwdConfig(tile_m=64, tile_n=128, num_stages=2, pack_gqa=config.pack_gqa)

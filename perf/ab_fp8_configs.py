@@ -17,6 +17,8 @@ measurements behind fp8_fwd_config_for's double-buffered P at hd 128 and its til
                        (two spill at hd 128 x 224 there)
     nopp / noiwo       the default without ping-pong / without intra-warpgroup overlap
     pvlate             the default with the PV wait pinned below the exp2s (pv_wait_after_softmax)
+Or fields of the default joined by '+': n<keys>, m<rows>, s<stages>, pp0/pp1 (pingpong),
+late0/late1 (pv_wait_after_softmax), e.g. n192+pp0.
 """
 import dataclasses
 import sys
@@ -37,7 +39,8 @@ def _default(d, f):
 from cute_attn.fp8 import quantize_fp8  # noqa: E402
 
 VARIANTS = {
-    "pdouble": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), p_double_buffer=True),
+    "pdouble": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), p_double_buffer=True,
+                                                pv_wait_after_softmax=False),
     "psingle": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), p_double_buffer=False),
     "192x96": lambda d, f: FwdConfig(tile_m=192, tile_n=96, num_stages=2) if d == 128 else None,
     "192x128": lambda d, f: FwdConfig(tile_m=192, tile_n=128, num_stages=2) if d == 128 else None,
@@ -48,6 +51,24 @@ VARIANTS = {
     "pvlate": lambda d, f: dataclasses.replace(_default(d, f), pv_wait_after_softmax=True),
     "noiwo": lambda d, f: dataclasses.replace(_default(d, f), intra_wg_overlap=False, p_double_buffer=False),
 }
+
+
+# fields a variant may set on the default, as <prefix><int>: n224, s3, pp0, late1
+FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages", "pp": "pingpong", "late": "pv_wait_after_softmax"}
+
+
+def variant(name, d, f):
+    """A named variant, or changes to the default joined by '+' (n192+late1+pp0); None where
+    it does not apply."""
+    if name in VARIANTS:
+        return VARIANTS[name](d, f)
+    cfg = _default(d, f)
+    changes = {}
+    for part in name.split("+"):
+        prefix = part.rstrip("0123456789")
+        value = int(part[len(prefix):])
+        changes[FIELDS[prefix]] = bool(value) if FIELDS[prefix] in ("pingpong", "pv_wait_after_softmax") else value
+    return dataclasses.replace(cfg, **changes)
 
 
 def main():
@@ -68,7 +89,7 @@ def main():
             call_args = (q8, k8, launcher.transpose_v_fp8(v8), out, lse, cu, cu, qd, kd, vd, sink,
                          args.max_seqlen_q, args.softmax_scale, 0.0, *args.window)
             configs = {"default": _default(d, feat)}
-            configs.update({n: c for n in names if (c := VARIANTS[n](d, feat)) is not None})
+            configs.update({n: c for n in names if (c := variant(n, d, feat)) is not None})
             fns, outs = {}, {}
             for name, cfg in configs.items():
                 # a tile queue's counter travels in cu_seqlens_q's slot (launcher._tile_queue)

@@ -80,6 +80,13 @@ class WG:
 F._real_warpgroup = F.warpgroup
 F.warpgroup = WG()
 
+orig_wait_pv = F.FlashFwdSm90.wait_pv
+def wait_pv_rec(self, softmax):
+    orig_wait_pv(self, softmax)
+    if self.pv_wait_after_softmax:  # the wait is mma_sm90's (the WG proxy above stamps the other)
+        stamp("PV done")
+F.FlashFwdSm90.wait_pv = wait_pv_rec
+
 orig_sm_step = SM.OnlineSoftmax.step
 def sm_step_rec(self, acc_S, is_first):
     r = orig_sm_step(self, acc_S, is_first)

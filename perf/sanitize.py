@@ -346,7 +346,7 @@ def force_config(name):
         # one tile per CTA: the persistent FP8 grid has one P buffer
         launcher.fp8_with_persistent_grid = lambda cfg, *a: cfg
         launcher.fp8_fwd_config_for = lambda *a, **kw: dataclasses.replace(
-            config.fp8_fwd_config_for(*a, **kw), p_double_buffer=True)
+            config.fp8_fwd_config_for(*a, **kw), p_double_buffer=True, pv_wait_after_softmax=False)
     elif name == "ds2":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2)

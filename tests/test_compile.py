@@ -582,7 +582,8 @@ def test_fp8_double_buffered_p_converts_beside_the_pv_wgmma(head_dim, mask):
     from cute_attn.config import fp8_fwd_config_for
 
     features = AttnFeatures(mask=mask)
-    base = dataclasses.replace(fp8_fwd_config_for(head_dim, features), p_double_buffer=False)
+    base = dataclasses.replace(fp8_fwd_config_for(head_dim, features), p_double_buffer=False,
+                               pv_wait_after_softmax=False)
     default = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, base)
     double = ptx_tool.compile_fwd_artifacts("e4m3", head_dim, features, dataclasses.replace(base, p_double_buffer=True))
     assert not _converts_before_waiting_for_pv(default.ptx)

@@ -271,9 +271,10 @@ def test_fp8_long_sequence_accuracy_report(capsys):
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_fp8_double_buffered_p_is_bit_identical(d, mask, monkeypatch):
     """FwdConfig.p_double_buffer (fp8_fwd_config_for's at hd 128 without a mask where the
-    grid is not persistent; forced off and on here, one tile per CTA) only moves the e4m3 conversion of P beside the previous PV WGMMA:
-    the same operations in the same order per element, so the output and LSE of the two
-    are equal bit for bit, at lengths giving odd and even numbers of
+    grid is not persistent; forced off and on here, one tile per CTA) only moves the e4m3 conversion of P beside the previous PV WGMMA,
+    and FwdConfig.pv_wait_after_softmax (with one P buffer) only where the PV wait sits:
+    the same operations in the same order per element, so the outputs and LSEs of the
+    three are equal bit for bit, at lengths giving odd and even numbers of
     unmasked blocks (pairs and the remainder) and one block short of a tile. Then the
     accuracy rule of the FP8 tests holds for it too."""
     import dataclasses
@@ -281,21 +282,22 @@ def test_fp8_double_buffered_p_is_bit_identical(d, mask, monkeypatch):
     from cute_attn import launcher
 
     kw = _mask_kwargs(mask)
-    for sk in (3 * 224 + 17, 6 * 224, 9 * 128 + 5):
+    for sk in (3 * 192 + 17, 6 * 192, 9 * 128 + 5):
         q8, k8, v8, qd, kd, vd = _inputs(sk, 2, sk, sk, 4, 2, d)
         ds = dict(q_descale=qd, k_descale=kd, v_descale=vd)
         real = launcher.fp8_fwd_config_for
         # one tile per CTA (the persistent FP8 grid keeps one P buffer)
         monkeypatch.setattr(launcher, "fp8_with_persistent_grid", lambda cfg, *a: cfg)
         with monkeypatch.context() as m:
-            m.setattr(launcher, "fp8_fwd_config_for",
-                      lambda *a, **k: dataclasses.replace(real(*a, **k), p_double_buffer=False))
+            m.setattr(launcher, "fp8_fwd_config_for", lambda *a, **k: dataclasses.replace(
+                real(*a, **k), p_double_buffer=False, pv_wait_after_softmax=False))
             out, lse = cute_attn.mha(q8, k8, v8, return_lse=True, **ds, **kw)
-        with monkeypatch.context() as m:
-            m.setattr(launcher, "fp8_fwd_config_for",
-                      lambda *a, **k: dataclasses.replace(real(*a, **k), p_double_buffer=True))
-            poison_allocator(out.numel() * 2, lse.numel() * 4)
-            out2, lse2 = cute_attn.mha(q8, k8, v8, return_lse=True, **ds, **kw)
-            assert torch.equal(out2, out) and torch.equal(lse2, lse), f"sk={sk}"
-            if sk == 6 * 224:
-                _check(q8, k8, v8, qd, kd, vd, mask=mask)
+        for double, late in ((True, False), (False, True)):
+            with monkeypatch.context() as m:
+                m.setattr(launcher, "fp8_fwd_config_for", lambda *a, **k: dataclasses.replace(
+                    real(*a, **k), p_double_buffer=double, pv_wait_after_softmax=late))
+                poison_allocator(out.numel() * 2, lse.numel() * 4)
+                out2, lse2 = cute_attn.mha(q8, k8, v8, return_lse=True, **ds, **kw)
+                assert torch.equal(out2, out) and torch.equal(lse2, lse), f"sk={sk} double={double} late={late}"
+        if sk == 6 * 192:
+            _check(q8, k8, v8, qd, kd, vd, mask=mask)
