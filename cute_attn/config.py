@@ -367,7 +367,7 @@ def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1)
             # A persistent grid drops it (fp8_with_persistent_grid: it spilled there)
             cfg = dataclasses.replace(cfg, p_double_buffer=True)
     if head_dim <= 128:
-        cfg = dataclasses.replace(cfg, pv_wait_after_softmax=_fp8_pv_wait_late(head_dim, cfg.p_double_buffer))
+        cfg = dataclasses.replace(cfg, pv_wait_after_softmax=fp8_late_pv_wait(head_dim, cfg.p_double_buffer))
     else:
         # a window with a softcap spilled 252 bytes at 128 keys per block (ptxas)
         cfg = FwdConfig(tile_m=128, tile_n=64 if features.local else 128, num_stages=2)
@@ -420,8 +420,7 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
     return persistent if fwd_smem_bytes(persistent, head_dim) <= SM90_SMEM_BYTES else config
 
 
-@functools.lru_cache(maxsize=256)  # run_fwd_fp8 asks on every call
-def _fp8_pv_wait_late(head_dim: int, p_double_buffer: bool) -> bool:
+def fp8_late_pv_wait(head_dim: int, p_double_buffer: bool) -> bool:
     """FwdConfig.pv_wait_after_softmax for the FP8 forward. Measured on an H100 (perf/NOTES.md,
     session 25; perf/ab_fp8_configs.py 5 128,256,64 pvlate), 16K / 4K tokens: head dim 128
     +4.5 / +4.4%, causal +1.9 / +0.9%; head dim 64 +3.0 / +3.0%, causal level; head dim 256
@@ -430,6 +429,7 @@ def _fp8_pv_wait_late(head_dim: int, p_double_buffer: bool) -> bool:
     return head_dim <= 128 and not p_double_buffer
 
 
+@functools.lru_cache(maxsize=256)  # run_fwd_fp8 asks on every call
 def fp8_with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeatures,
                              num_sms: Optional[int]) -> FwdConfig:
     """The FP8 forward's config (fp8_fwd_config_for) with a persistent grid of num_sms CTAs
@@ -451,7 +451,7 @@ def fp8_with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFea
     if not eligible:
         return config
     return dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal",
-                               p_double_buffer=False, pv_wait_after_softmax=_fp8_pv_wait_late(head_dim, False))
+                               p_double_buffer=False, pv_wait_after_softmax=fp8_late_pv_wait(head_dim, False))
 
 
 # The portable cluster size limit on sm_90 (16 needs a non-portable opt-in)
@@ -502,7 +502,7 @@ def unsplit_decode_config(config: FwdConfig, head_dim: int, packed_rows: int) ->
     do paged caches and other head dims (not measured)."""
     # pack_gqa > 1 only where a call packs GQA (never varlen, mods, a sink or dropout:
     # pack_gqa_for); the tile is the measured one as a whole (128 keys, 2 stages, no tree
-    # row sums), not the default with fewer rows (the FP8 one has 192 keys)
+    # row sums), not the default with fewer rows
     if (config.pack_gqa > 1 and config.tile_m == 128 and packed_rows <= 64 and head_dim == 128
             and config.page_size == 0 and not config.split_kv):
         return FwdConfig(tile_m=64, tile_n=128, num_stages=2, pack_gqa=config.pack_gqa)
@@ -644,6 +644,11 @@ class BwdConfig(_WarpSpecialized):
     # dQ writer only before its sdQ stores (FlashAttention-4's Hopper choice; +16 KB at
     # head dim 128, +32 KB at 64). bwd_config_for says where it is taken.
     ds_stages: int = 1
+    # The wait on dP^T pinned below the exp2s of P^T (mma_sm90.wait_all_groups_after, on
+    # P^T's bf16 words converted before it), so they run under the dP^T WGMMA; ptxas
+    # otherwise puts it among them. Without dropout or a score derivative (their paths
+    # wait for dP^T first).
+    dp_wait_after_exp2: bool = False
 
     @property
     def num_mma_warpgroups(self) -> int:

@@ -14,6 +14,7 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     atomic3  the same with three stages (head dims <= 128)
     ds1      the default with one sdS buffer (BwdConfig.ds_stages; head dims <= 128)
     ds2      the default with two sdS buffers
+    dplate   the default with the dP^T wait pinned below P^T's exp2s (dp_wait_after_exp2)
 (dK after dQ and LSE2 / D in registers, measured in session 19, lost: perf/NOTES.md)
 """
 import contextlib
@@ -34,6 +35,7 @@ VARIANTS = {  # (head dim, features) -> a forced config, or None where it does n
     "ds1": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), ds_stages=1) if d <= 128 else None,
     "ds2": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2)
                          if d <= 128 and d != 96 else None),  # 96: one dQ warpgroup, no second sdS
+    "dplate": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dp_wait_after_exp2=True),
 }
 
 

@@ -11,6 +11,7 @@ measurements behind fp8_fwd_config_for's double-buffered P at hd 128 and its til
 "default" is what mha runs (fp8_fwd_config_for on fp8_with_persistent_grid's grid). Variants
 ((head dim, features) -> a config, None where it does not apply):
     pdouble / psingle  fp8_fwd_config_for's tiles, one tile per CTA, p_double_buffer on / off
+                       (one buffer with the late PV wait where mha takes it, two without)
     192x96, 192x128    three consumer warpgroups
     s3                 fp8_fwd_config_for's tiles with three stages, one tile per CTA
     persist            a persistent grid (one CTA per SM; causal: the tile queue), one P buffer
@@ -29,7 +30,7 @@ sys.path.insert(0, "perf")
 import harness  # noqa: E402
 from cute_attn import api, launcher  # noqa: E402
 from cute_attn.config import FwdConfig, fp8_fwd_config_for  # noqa: E402
-from cute_attn.config import fp8_with_persistent_grid  # noqa: E402
+from cute_attn.config import fp8_late_pv_wait, fp8_with_persistent_grid  # noqa: E402
 from cute_attn.tuning import gpu_sm_count  # noqa: E402
 
 
@@ -41,12 +42,14 @@ from cute_attn.fp8 import quantize_fp8  # noqa: E402
 VARIANTS = {
     "pdouble": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), p_double_buffer=True,
                                                 pv_wait_after_softmax=False),
-    "psingle": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), p_double_buffer=False),
+    "psingle": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), p_double_buffer=False,
+                                                pv_wait_after_softmax=fp8_late_pv_wait(d, False)),
     "192x96": lambda d, f: FwdConfig(tile_m=192, tile_n=96, num_stages=2) if d == 128 else None,
     "192x128": lambda d, f: FwdConfig(tile_m=192, tile_n=128, num_stages=2) if d == 128 else None,
     "s3": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), num_stages=3),
     "persist": lambda d, f: dataclasses.replace(fp8_fwd_config_for(d, f), persistent_ctas=gpu_sm_count(0),
-                                                tile_queue=f.mask == "causal", p_double_buffer=False),
+                                                tile_queue=f.mask == "causal", p_double_buffer=False,
+                                                pv_wait_after_softmax=fp8_late_pv_wait(d, False)),
     "nopp": lambda d, f: dataclasses.replace(_default(d, f), pingpong=False),
     "pvlate": lambda d, f: dataclasses.replace(_default(d, f), pv_wait_after_softmax=True),
     "noiwo": lambda d, f: dataclasses.replace(_default(d, f), intra_wg_overlap=False, p_double_buffer=False),

@@ -10,7 +10,7 @@ different block order is ~1e-3 on these inputs, a wrong kernel is O(1)).
 
 A variant name is a field and a value, applied to the default: n<keys> (tile_n),
 m<rows> (tile_m), s<stages> (num_stages), p<ctas> (persistent_ctas: 132 on an H100 SXM or
-H200; q<ctas>: the same with the tile queue), pvlate (pv_wait_after_softmax), pp0 (no ping-pong); joined by
+H200; q<ctas>: the same with the tile queue), pvlate (pv_wait_after_softmax), pp0 / pp1 (ping-pong off / on); joined by
 `+`, several at once (p132+pvlate). `copy` is the default itself timed again
 under another name: the same-config spread of a run, the noise floor against which the
 other variants' ratios are read.
@@ -37,8 +37,8 @@ def variant(base, name: str):
         return base
     if name == "pvlate":  # FwdConfig.pv_wait_after_softmax
         return dataclasses.replace(base, pv_wait_after_softmax=True)
-    if name == "pp0":  # no ping-pong between the consumer warpgroups
-        return dataclasses.replace(base, pingpong=False)
+    if name in ("pp0", "pp1"):  # ping-pong between the consumer warpgroups off / on
+        return dataclasses.replace(base, pingpong=name == "pp1")
     if name[0] == "q":  # persistent with the tile queue
         return dataclasses.replace(base, persistent_ctas=int(name[1:]), tile_queue=True)
     return dataclasses.replace(base, **{FIELDS[name[0]]: int(name[1:])})

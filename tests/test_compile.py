@@ -478,8 +478,11 @@ def test_fp8_forward_compiles_with_e4m3_wgmma(head_dim, mask):
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt.b32" in ptx
     assert not re.search(_LANE_FROM_REGISTER, ptx)
     assert "cvt.rn.bf16x2.f32" in ptx
+    # FwdConfig.pv_wait_after_softmax (fp8_fwd_config_for's at head dims 64 and 128)
+    assert ("vote.sync.all.pred" in ptx and "// the other path" in ptx) == config.pv_wait_after_softmax
     if art.cubin is not None:
         assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
+        assert "serialized" not in art.ptxas_report, art.ptxas_report  # ptxas's C7510-C7515
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -543,6 +546,7 @@ def test_fp8_forward_with_a_sink_compiles(head_dim, mask):
     assert art.ptx.count("ld.global") > without.ptx.count("ld.global")
     if art.cubin is not None:
         assert " 0 bytes spill stores" in art.ptxas_report, art.ptxas_report
+        assert "serialized" not in art.ptxas_report, art.ptxas_report
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -616,6 +620,26 @@ def test_split_d_backward_compiles_without_spills(head_dim, features):
     if main.cubin is not None:
         assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
         assert "serialized" not in main.ptxas_report, main.ptxas_report
+
+
+@pytest.mark.parametrize("head_dim, mask", [(128, "causal"), (256, "none")])
+def test_backward_dp_wait_after_exp2_compiles(head_dim, mask):
+    """BwdConfig.dp_wait_after_exp2 (off by default, not yet measured): the wait on dP^T
+    behind a warp-uniform branch on P^T's converted words (mma_sm90.wait_all_groups_after,
+    a wait on both sides), spill-free and without WGMMA serialisation; off, the plain wait."""
+    import dataclasses
+
+    from cute_attn.config import bwd_config_for
+
+    features = AttnFeatures(mask=mask)
+    base = bwd_config_for(head_dim, features)
+    late = ptx_tool.compile_bwd_artifacts("bf16", head_dim, features,
+                                          dataclasses.replace(base, dp_wait_after_exp2=True))["main"]
+    assert "vote.sync.all.pred" in late.ptx and "// the other path" in late.ptx
+    assert "// the other path" not in ptx_tool.compile_bwd_artifacts("bf16", head_dim, features, base)["main"].ptx
+    if late.cubin is not None:
+        assert " 0 bytes spill stores" in late.ptxas_report, late.ptxas_report
+        assert "serialized" not in late.ptxas_report, late.ptxas_report
 
 
 def test_split_d_deterministic_backward_keeps_the_ordered_reduce():

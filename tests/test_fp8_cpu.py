@@ -507,7 +507,7 @@ def test_fp8_persistent_grid_where_it_measured_faster():
 
 
 def test_fp8_pv_wait_after_softmax_where_it_measured_faster():
-    """config._fp8_pv_wait_late: the PV wait pinned below the exp2s at head dims 64 and 128
+    """config.fp8_late_pv_wait: the PV wait pinned below the exp2s at head dims 64 and 128
     (+3-4.5% unmasked on an H100), not at 256 (level) and never beside two P buffers
     (ptxas serialised the WGMMAs there); the persistent grid, which drops the second
     buffer, takes it back at head dim 128."""

@@ -87,15 +87,17 @@ def gemm(
 
 
 @dsl_user_op
-def _nonnegative_or_nan_in_warp(x: Float32, *, loc=None, ip=None) -> Int32:
-    """1 when x >= 0 or NaN in every lane of the warp (a warp-uniform value), else 0."""
+def _true_in_whole_warp(x, *, loc=None, ip=None) -> Int32:
+    """A warp-uniform test of x (a Float32, or an Int32's bits read as one): 1 when it is
+    >= 0 or NaN in every lane, i.e. its sign bit is clear or it is a NaN; else 0."""
+    value, constraint = (Float32(x), "f") if isinstance(x, Float32) else (Int32(x), "r")
     return Int32(
         llvm.inline_asm(
             T.i32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
+            [value.ir_value(loc=loc, ip=ip)],
             "{ .reg .pred p; setp.geu.f32 p, $1, 0f00000000; vote.sync.all.pred p, p, 0xffffffff;"
             " selp.u32 $0, 1, 0, p; }",
-            "=r,f",
+            "=r," + constraint,
             has_side_effects=True,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -113,20 +115,36 @@ def _wait_all_groups_other_path(*, loc=None, ip=None):
 
 
 @cute.jit
-def wait_all_groups_after(nonnegative: Float32):
-    """Wait for every WGMMA group in flight, no earlier than the value nonnegative (>= 0 or
-    NaN by construction, e.g. a sum of exp2s) is computed.
+def wait_all_groups_after(value):
+    """Wait for every WGMMA group in flight, no earlier than value (a Float32 or an Int32)
+    is computed.
 
     ptxas 13 schedules `wgmma.wait_group` freely among register-only work: in the forward
     it lifted the wait on PV(j-1) above all of softmax(j)'s exp2s, so the softmax never ran
     under PV (perf/NOTES.md, session 24). A branch on a value computed from the exp2s pins
-    the wait below them; both sides wait (ptxas serialises every WGMMA when a path lacks
-    the wait), and the test is warp-uniform (vote.all), so no warp diverges at the
-    warpgroup-wide wait."""
-    if _nonnegative_or_nan_in_warp(nonnegative) != 0:
+    the wait below them. Both sides wait, so the test's outcome never matters for
+    correctness (ptxas also serialises every WGMMA when a path lacks the wait). vote.all
+    makes it uniform within each warp; the .aligned wait also wants every warp of the
+    warpgroup at the same instruction, so callers pass a value for which the test always
+    holds: a sum of exp2s (>= 0 or NaN), or an OR of words of non-negative floats (sign
+    bit clear)."""
+    if _true_in_whole_warp(value) != 0:
         warpgroup.wait_group(0)
     else:
         _wait_all_groups_other_path()
+
+
+@cute.jit
+def or_of_words(t: cute.Tensor) -> Int32:
+    """The bitwise OR of a register tensor's bytes seen as 32-bit words: one value that
+    depends on every element (for wait_all_groups_after: with non-negative 16- or 32-bit
+    floats in t, its sign bit is clear)."""
+    flat = cute.make_tensor(t.iterator, cute.make_layout(cute.size(t)))
+    words = cute.recast_tensor(flat, Int32)
+    total = words[0]
+    for i in cutlass.range_constexpr(1, cute.size(words)):
+        total = total | words[i]
+    return total
 
 
 def acc_layout_rows_cols(layout: cute.Layout) -> cute.Layout:

@@ -222,6 +222,7 @@ class FlashBwdSm90:
             raise ValueError("the deterministic backward orders its dQ reduce-adds: dq_atomic cannot serve it")
         self.split_d = config.split_d  # see BwdConfig.split_d
         self.ds_stages = config.ds_stages  # see BwdConfig.ds_stages
+        self.dp_wait_after_exp2 = config.dp_wait_after_exp2  # see BwdConfig.dp_wait_after_exp2
         # one CTA per (KV block, KV head, batch). n_block 0 sees the most
         # query blocks under a causal mask, and grid order already launches it first.
         self.scheduler = TileScheduler(self.tile_n, features.varlen)
@@ -706,6 +707,9 @@ class FlashBwdSm90:
             # the forward's mask again, as a sign: P < 0 marks a dropped element
             dropout.apply(acc_S, tScS, n_block * self.tile_n, m_block * self.tile_m, negate=True)
         # dS^T = P^T * (dP^T - D) (* the softcap's or score mod's derivative, folded in above)
+        rP = cute.make_rmem_tensor_like(acc_S, self.p_dtype)
+        # P^T is final before dP^T is needed only on the plain path (BwdConfig.dp_wait_after_exp2)
+        p_before_dp = dropout is None and not score_grad and self.dp_wait_after_exp2
         if cutlass.const_expr(dropout is not None and not score_grad):
             # dropout: dP^T reaches the kept P scaled by 1 / (1 - p), a dropped one not at
             # all; with the sign as the mask, dS = P (dP / (1 - p) - D) kept, (-P) D dropped
@@ -725,13 +729,18 @@ class FlashBwdSm90:
                 dropout.apply(acc_S, tScS, n_block * self.tile_n, m_block * self.tile_m)
                 acc_S.store(acc_S.load() * dropout.inv_keep)
         else:
-            warpgroup.wait_group(0)
+            if cutlass.const_expr(p_before_dp):
+                # converted before the wait, P^T's words hold the wait below every exp2
+                rP.store(acc_S.load().to(self.p_dtype))
+                mma_sm90.wait_all_groups_after(mma_sm90.or_of_words(rP))
+            else:
+                warpgroup.wait_group(0)
             for c in cutlass.range_constexpr(num_cols):
                 dsum_c = dsum[c]
                 for r in cutlass.range_constexpr(cute.size(dS.shape[0])):
                     dS[r, c] = P[r, c] * (dS[r, c] - dsum_c)
-        rP = cute.make_rmem_tensor_like(acc_S, self.p_dtype)
-        rP.store(acc_S.load().to(self.p_dtype))
+        if cutlass.const_expr(not p_before_dp):
+            rP.store(acc_S.load().to(self.p_dtype))
         rdS = cute.make_rmem_tensor_like(acc_dP, self.p_dtype)
         rdS.store(acc_dP.load().to(self.p_dtype))
 
