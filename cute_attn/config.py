@@ -647,7 +647,8 @@ class BwdConfig(_WarpSpecialized):
     # The wait on dP^T pinned below the exp2s of P^T (mma_sm90.wait_all_groups_after, on
     # P^T's bf16 words converted before it), so they run under the dP^T WGMMA; ptxas
     # otherwise puts it among them. Without dropout or a score derivative (their paths
-    # wait for dP^T first).
+    # wait for dP^T first). Off: slower on an H100 at hd 128 16K, -3.5% / -5.2% causal
+    # (perf/NOTES.md, session 25); kept as a knob for the other head dims and tiles.
     dp_wait_after_exp2: bool = False
 
     @property
