@@ -19,7 +19,7 @@ measurements behind fp8_fwd_config_for's double-buffered P at hd 128 and its til
     nopp / noiwo       the default without ping-pong / without intra-warpgroup overlap
     pvlate             the default with the PV wait pinned below the exp2s (pv_wait_after_softmax)
 Or fields of the default joined by '+': n<keys>, m<rows>, s<stages>, pp0/pp1 (pingpong),
-late0/late1 (pv_wait_after_softmax), e.g. n192+pp0.
+late0/late1 (pv_wait_after_softmax), tree0/tree1 (tree_row_sums), e.g. n192+pp0.
 """
 import dataclasses
 import sys
@@ -56,8 +56,10 @@ VARIANTS = {
 }
 
 
-# fields a variant may set on the default, as <prefix><int>: n224, s3, pp0, late1
-FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages", "pp": "pingpong", "late": "pv_wait_after_softmax"}
+# fields a variant may set on the default, as <prefix><int>: n224, s3, pp0, late1, tree1
+FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages", "pp": "pingpong", "late": "pv_wait_after_softmax",
+          "tree": "tree_row_sums"}
+FLAGS = ("pingpong", "pv_wait_after_softmax", "tree_row_sums")
 
 
 def variant(name, d, f):
@@ -70,7 +72,7 @@ def variant(name, d, f):
     for part in name.split("+"):
         prefix = part.rstrip("0123456789")
         value = int(part[len(prefix):])
-        changes[FIELDS[prefix]] = bool(value) if FIELDS[prefix] in ("pingpong", "pv_wait_after_softmax") else value
+        changes[FIELDS[prefix]] = bool(value) if FIELDS[prefix] in FLAGS else value
     return dataclasses.replace(cfg, **changes)
 
 
