@@ -317,6 +317,8 @@ class FwdConfig(_WarpSpecialized):
             raise ValueError(f"persistent_ctas must be >= 0, got {self.persistent_ctas}")
         if self.pv_wait_after_softmax and self.p_double_buffer:
             raise ValueError("pv_wait_after_softmax and p_double_buffer exclude each other")
+        if self.pv_wait_after_softmax and not self.intra_wg_overlap:
+            raise ValueError("pv_wait_after_softmax needs intra_wg_overlap (PV in flight beside the softmax)")
         if self.tile_queue and not self.persistent_ctas:
             raise ValueError("tile_queue needs a persistent grid (persistent_ctas > 0)")
         if self.persistent_ctas and self.split_kv:

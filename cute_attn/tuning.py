@@ -163,8 +163,12 @@ def candidates(head_dim: int, features: AttnFeatures, base: Optional[FwdConfig] 
         "tile_n": [dataclasses.replace(base, tile_n=n) for n in TILE_N_CHOICES.get(head_dim, ()) if n != base.tile_n],
         "num_stages": [dataclasses.replace(base, num_stages=s) for s in (2, 3) if s != base.num_stages],
         "pingpong": [dataclasses.replace(base, pingpong=not base.pingpong)] if base.num_mma_warpgroups > 1 else [],
-        "intra_wg_overlap": [dataclasses.replace(base, intra_wg_overlap=not base.intra_wg_overlap)],
+        # the late PV wait needs the overlap: turning the overlap off turns it off too
+        "intra_wg_overlap": [dataclasses.replace(base, intra_wg_overlap=not base.intra_wg_overlap,
+                                                 pv_wait_after_softmax=False)],
         "tree_row_sums": [dataclasses.replace(base, tree_row_sums=not base.tree_row_sums)],
+        "pv_wait_after_softmax": ([dataclasses.replace(base, pv_wait_after_softmax=not base.pv_wait_after_softmax)]
+                                  if base.intra_wg_overlap and not base.p_double_buffer else []),
     }
     return {field: configs for field, configs in steps.items() if configs}
 

@@ -52,7 +52,8 @@ VARIANTS = {
                                                 pv_wait_after_softmax=fp8_late_pv_wait(d, False)),
     "nopp": lambda d, f: dataclasses.replace(_default(d, f), pingpong=False),
     "pvlate": lambda d, f: dataclasses.replace(_default(d, f), pv_wait_after_softmax=True),
-    "noiwo": lambda d, f: dataclasses.replace(_default(d, f), intra_wg_overlap=False, p_double_buffer=False),
+    "noiwo": lambda d, f: dataclasses.replace(_default(d, f), intra_wg_overlap=False, p_double_buffer=False,
+                                              pv_wait_after_softmax=False),
 }
 
 

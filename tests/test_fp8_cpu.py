@@ -530,3 +530,5 @@ def test_fp8_pv_wait_after_softmax_where_it_measured_faster():
     assert not fp8_with_persistent_grid(fp8_fwd_config_for(256, plain), 256, plain, 132).pv_wait_after_softmax
     with pytest.raises(ValueError, match="exclude each other"):
         FwdConfig(tile_m=128, tile_n=128, num_stages=2, p_double_buffer=True, pv_wait_after_softmax=True)
+    with pytest.raises(ValueError, match="needs intra_wg_overlap"):
+        FwdConfig(tile_m=128, tile_n=128, num_stages=2, intra_wg_overlap=False, pv_wait_after_softmax=True)
