@@ -339,6 +339,7 @@ def fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1, pag
     return cfg if pack_gqa == 1 else dataclasses.replace(cfg, pack_gqa=pack_gqa)
 
 
+@functools.lru_cache(maxsize=256)  # run_fwd_fp8 asks on every call
 def fp8_fwd_config_for(head_dim: int, features: AttnFeatures, pack_gqa: int = 1) -> FwdConfig:
     """The FP8 forward's tiles. KV blocks are multiples of 32 keys (the FP8 WGMMA's K).
     Operands take half the bytes of 16-bit ones, so blocks can be longer than the 16-bit

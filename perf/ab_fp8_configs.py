@@ -68,13 +68,7 @@ def variant(name, d, f):
     it does not apply."""
     if name in VARIANTS:
         return VARIANTS[name](d, f)
-    cfg = _default(d, f)
-    changes = {}
-    for part in name.split("+"):
-        prefix = part.rstrip("0123456789")
-        value = int(part[len(prefix):])
-        changes[FIELDS[prefix]] = bool(value) if FIELDS[prefix] in FLAGS else value
-    return dataclasses.replace(cfg, **changes)
+    return harness.config_variant(_default(d, f), name, FIELDS, FLAGS)
 
 
 def main():

@@ -16,7 +16,6 @@ under another name: the same-config spread of a run, the noise floor against whi
 other variants' ratios are read.
 """
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -25,23 +24,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages", "p": "persistent_ctas"}
+FIELDS = {"n": "tile_n", "m": "tile_m", "s": "num_stages", "p": "persistent_ctas", "pp": "pingpong",
+          "late": "pv_wait_after_softmax", "queue": "tile_queue"}
+FLAGS = ("pingpong", "pv_wait_after_softmax", "tile_queue")
 
 
 def variant(base, name: str):
     if name == "copy":
         return base
-    if "+" in name:  # several changes at once, applied left to right
-        for part in name.split("+"):
-            base = variant(base, part)
-        return base
-    if name == "pvlate":  # FwdConfig.pv_wait_after_softmax
-        return dataclasses.replace(base, pv_wait_after_softmax=True)
-    if name in ("pp0", "pp1"):  # ping-pong between the consumer warpgroups off / on
-        return dataclasses.replace(base, pingpong=name == "pp1")
-    if name[0] == "q":  # persistent with the tile queue
-        return dataclasses.replace(base, persistent_ctas=int(name[1:]), tile_queue=True)
-    return dataclasses.replace(base, **{FIELDS[name[0]]: int(name[1:])})
+    # q<ctas>: persistent with the tile queue; pvlate: the late PV wait
+    parts = [f"p{part[1:]}+queue1" if part[:1] == "q" else "late1" if part == "pvlate" else part
+             for part in name.split("+")]
+    return harness.config_variant(base, "+".join(parts), FIELDS, FLAGS)
 
 
 def main(argv=None) -> int:

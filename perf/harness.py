@@ -23,6 +23,7 @@ it is used); the pure helpers are tested on the CPU by tests/test_harness_cpu.py
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -220,6 +221,21 @@ def add_impls_and_rounds(parser: argparse.ArgumentParser, impls: Sequence[str], 
     parser.add_argument("--rounds", type=parse_positive_int, default=None,
                         help=f"interleaved timing rounds per {per}; the record is their "
                              f"median (default {rounds}; --quick: {quick_rounds})")
+
+
+def config_variant(base, name: str, fields: dict, flags: Sequence[str] = ()):
+    """base (a config dataclass) with the changes a variant name spells: parts joined by
+    '+', each a prefix from fields and an integer (n192+pp0: tile_n=192, pingpong=False);
+    a field named in flags takes the integer as a bool."""
+    changes = {}
+    for part in name.split("+"):
+        prefix = part.rstrip("0123456789")
+        if prefix not in fields or prefix == part:
+            raise ValueError(f"unknown variant {part!r}: expected one of {sorted(fields)} followed by a number")
+        field = fields[prefix]
+        value = int(part[len(prefix):])
+        changes[field] = bool(value) if field in flags else value
+    return dataclasses.replace(base, **changes)
 
 
 def median_ms(ms_rounds: Sequence[float]) -> float:

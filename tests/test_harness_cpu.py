@@ -204,3 +204,21 @@ def test_host_us_per_call(harness, stub_gpu):
     calls = []
     us = harness.host_us_per_call(lambda: calls.append(1), calls=20, warmup=5)
     assert len(calls) == 25 and us > 0
+
+
+def test_config_variant_applies_each_part(harness):
+    """perf/ab_*_configs.py variant names: prefix + integer parts joined by '+', flags as
+    bools; an unknown prefix or a part without a number is refused."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        tile_n: int = 128
+        pingpong: bool = True
+
+    fields, flags = {"n": "tile_n", "pp": "pingpong"}, ("pingpong",)
+    assert harness.config_variant(Cfg(), "n192+pp0", fields, flags) == Cfg(tile_n=192, pingpong=False)
+    assert harness.config_variant(Cfg(), "pp1", fields, flags).pingpong is True
+    for bad in ("x3", "n", "n192+late1"):
+        with pytest.raises(ValueError, match="unknown variant"):
+            harness.config_variant(Cfg(), bad, fields, flags)

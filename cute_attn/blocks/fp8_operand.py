@@ -29,6 +29,8 @@ from cutlass import Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from cute_attn.blocks.mma_sm90 import as_words
+
 # prmt selectors: the low / high 16-bit halves of two words
 _LO_LO, _HI_HI = 0x5410, 0x7632
 
@@ -54,13 +56,6 @@ def byte_perm(a: Int32, b: Int32, selector: Int32, *, loc=None, ip=None) -> Int3
     )
 
 
-def _words(t: cute.Tensor) -> cute.Tensor:
-    """A compact register tensor of 8-bit values seen as 32-bit words, 4 values each, in
-    the tensor's own value order."""
-    flat = cute.make_tensor(t.iterator, cute.make_layout(cute.size(t)))
-    return cute.recast_tensor(flat, Int32)
-
-
 @cute.jit
 def scores_to_fp8_operand_a(acc_S: cute.Tensor, tOrP: cute.Tensor):
     """P (the softmax's fp32 values in acc_S, a ((2, 2, V), 1, 1) accumulator of one
@@ -71,8 +66,8 @@ def scores_to_fp8_operand_a(acc_S: cute.Tensor, tOrP: cute.Tensor):
     2t + 1, 8 + 2t, 9 + 2t)."""
     p8 = cute.make_rmem_tensor_like(acc_S, tOrP.element_type)
     p8.store(acc_S.load().to(tOrP.element_type))
-    src = _words(p8)  # word g: (row r, row r + 8) x (key 8g + 2t, + 1)
-    dst = _words(tOrP)
+    src = as_words(p8)  # word g: (row r, row r + 8) x (key 8g + 2t, + 1)
+    dst = as_words(tOrP)
     for kb in cutlass.range_constexpr(cute.size(dst) // 4):
         for h in cutlass.range_constexpr(2):
             row_half = Int32(_LO_LO if h == 0 else _HI_HI)

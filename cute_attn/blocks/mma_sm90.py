@@ -134,13 +134,19 @@ def wait_all_groups_after(value):
         _wait_all_groups_other_path()
 
 
+def as_words(t: cute.Tensor) -> cute.Tensor:
+    """A compact register tensor of 8- or 16-bit values seen as 32-bit words, in the
+    tensor's own value order (4 or 2 values per word)."""
+    flat = cute.make_tensor(t.iterator, cute.make_layout(cute.size(t)))
+    return cute.recast_tensor(flat, Int32)
+
+
 @cute.jit
 def or_of_words(t: cute.Tensor) -> Int32:
-    """The bitwise OR of a register tensor's bytes seen as 32-bit words: one value that
-    depends on every element (for wait_all_groups_after: with non-negative 16- or 32-bit
-    floats in t, its sign bit is clear)."""
-    flat = cute.make_tensor(t.iterator, cute.make_layout(cute.size(t)))
-    words = cute.recast_tensor(flat, Int32)
+    """The bitwise OR of a register tensor's words (as_words): one value that depends on
+    every element (for wait_all_groups_after: with non-negative 16-bit floats in t, its
+    sign bit is clear)."""
+    words = as_words(t)
     total = words[0]
     for i in cutlass.range_constexpr(1, cute.size(words)):
         total = total | words[i]
