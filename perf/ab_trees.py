@@ -8,6 +8,7 @@ custom-op namespace and cache folder renamed, so both load side by side):
     python3 perf/ab_trees.py --prepare REV          # on your machine: writes scratch/ab_tree/
     python3 perf/ab_trees.py --pass bwd [--rounds 5] [--headdims 64,128] [--seqlens ...]
                              [--dropout 0.1]   # both trees with dropout; no FA4 (none on Hopper)
+    python3 perf/ab_trees.py --pass fwd --dtype fp8   # e4m3 inputs (quantize_fp8); no FA4 either
 
 (on the device, carry scratch/ab_tree). 16K tokens per shape (harness.sweep_shape),
 causal and not; prints TFLOP/s and new/old, new/fa4, old/fa4.
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--headdims", type=harness.parse_int_list, default=[64, 128])
     p.add_argument("--seqlens", type=harness.parse_int_list, default=[1024, 4096, 16384])
     p.add_argument("--dropout", type=float, default=0.0, help="dropout_p for both trees (then no FA4)")
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="fp8: forward only, no FA4")
     args = p.parse_args(argv)
     if args.prepare:
         prepare(args.prepare)
@@ -72,12 +74,18 @@ def main(argv=None) -> int:
         extra = dict(dropout_p=args.dropout, dropout_seed=seed)
         impls = {"new": lambda q, k, v, causal: cute_attn.mha(q, k, v, causal=causal, **extra),
                  "old": lambda q, k, v, causal: cute_attn_old.mha(q, k, v, causal=causal, **extra)}
+    if args.dtype == "fp8" and args.pas != "fwd":
+        p.error("--dtype fp8 has a forward only")
     for d in args.headdims:
         for causal in (False, True):
             for s in args.seqlens:
                 b, h = harness.sweep_shape(s, d)
                 q, k, v = (t.requires_grad_(args.pas == "bwd") for t in harness.random_qkv(b, s, h, d, torch.bfloat16))
                 dout = torch.randn_like(q)
+                if args.dtype == "fp8":  # quantised once per shape, outside the timing
+                    q, k, v, *descales = cute_attn.quantize_fp8(q, k, v)
+                    impls = {name: _with_descales(mha, *descales)
+                             for name, mha in (("new", cute_attn.mha), ("old", cute_attn_old.mha))}
                 timers = {}
                 for name, f in impls.items():
                     if args.pas == "fwd":
@@ -103,6 +111,11 @@ def main(argv=None) -> int:
                     line += f" fa4 {tf['fa4']:.0f} new/fa4 {tf['new'] / tf['fa4']:.3f} old/fa4 {tf['old'] / tf['fa4']:.3f}"
                 print(line, flush=True)
     return 0
+
+
+def _with_descales(mha, q_descale, k_descale, v_descale):
+    return lambda q, k, v, causal: mha(q, k, v, causal=causal, q_descale=q_descale, k_descale=k_descale,
+                                       v_descale=v_descale)
 
 
 if __name__ == "__main__":
