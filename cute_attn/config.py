@@ -258,7 +258,8 @@ class FwdConfig(_WarpSpecialized):
     # blocks, tile_n / page_size boxes when a block spans pages. 0: contiguous.
     page_size: int = 0
     # The softmax's row sums as pairwise trees (blocks/softmax.OnlineSoftmax.step) instead
-    # of the ordered reduction's chain of dependent adds. Measured per head dim and mask
+    # of the ordered reduction's chain of dependent adds, and the row max as an FMNMX tree
+    # instead of the NaN-propagating reduction. Measured per head dim and mask
     # (_fwd_tile_config): ptxas hides the chain behind the exp2s in most kernels.
     tree_row_sums: bool = False
     # FP8 with intra_wg_overlap: two register buffers for P, so that block j's P is
@@ -577,7 +578,8 @@ def _fwd_tile_config(head_dim: int, features: AttnFeatures) -> FwdConfig:
         # same process as FA4 at 581 / 609 / 617). perf/NOTES.md has the A/B.
         # Tree row sums: +2.6 / +3.0 / +5.7% at 16K without a mask in three H100 runs,
         # -0.5..+1.3% causal; hd 64 lost 1-4% with them, hd 256 and FP8 moved +-2%
-        # (perf/NOTES.md, session 13).
+        # (perf/NOTES.md, session 13). Their FMNMX row max (session 26): without a mask
+        # +1.3 / +2.3% more (4K / 16K), causal -3.8 / -3.0%, hence unmasked only.
         cfg = FwdConfig(tile_m=128, tile_n=128, num_stages=2, tree_row_sums=features.mask == "none")
     elif head_dim <= 192:
         cfg = FwdConfig(tile_m=128, tile_n=96, num_stages=2)

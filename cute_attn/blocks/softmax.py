@@ -10,6 +10,7 @@ is exp2(-inf) = 0, the row sum stays 0, and finalize() returns out = 0 and lse =
 """
 
 import math
+import operator
 from typing import NamedTuple
 
 import cutlass
@@ -20,13 +21,24 @@ from cute_attn.blocks.mma_sm90 import acc_as_rows_cols
 from cute_attn.blocks.staged import Staged
 
 
-def tree_sum(values: list):
-    """Pairwise sum (plain Python, unrolled at trace time): depth log2(n) instead of the
-    n-long chain of dependent adds that an ordered vector reduction compiles to."""
+def tree_reduce(values: list, combine):
+    """Pairwise reduction (plain Python, unrolled at trace time): depth log2(n) instead of
+    the n-long chain of dependent ops that an ordered vector reduction compiles to."""
     while len(values) > 1:
-        paired = [values[i] + values[i + 1] for i in range(0, len(values) - 1, 2)]
+        paired = [combine(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
         values = paired + values[len(paired) * 2:]
     return values[0]
+
+
+def tree_sum(values: list):
+    return tree_reduce(values, operator.add)
+
+
+def quad_max(x: Float32) -> Float32:
+    """A row's max across the 4 threads of a quad: two butterfly shuffles and FMNMX."""
+    for offset in (2, 1):
+        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset))
+    return x
 
 
 class ScoreScale(NamedTuple):
@@ -73,14 +85,24 @@ class OnlineSoftmax(Staged):
 
         tree_row_sums: a row's sum as a pairwise tree (depth log2 n) rather than the
         vector reduction, which compiles to n dependent adds in order (perf/NOTES.md,
-        session 13, has what each form measured)."""
+        session 13, has what each form measured); and its max as a tree of fmax (FMNMX)
+        rather than the vector reduction's NaN-propagating max (FMNMX.NAN, and per shuffle
+        step FSETP.NAN + FSETP.GTU + FSEL, whose NaN tests spill predicates to registers:
+        ~100 fewer SASS instructions in the bf16 hd 128 forward; session 26). A NaN
+        score still reaches the output through its exp2."""
         S = acc_as_rows_cols(acc_S)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             s_row = S[r, None].load()
-            init = -Float32.inf if cutlass.const_expr(is_first) else self.row_max[r]
-            new_max = s_row.reduce(cute.ReductionOp.MAX, init, 0)
-            new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
+            if cutlass.const_expr(self.tree_row_sums):
+                values = [S[r, c] for c in range(cute.size(S.shape[1]))]
+                if cutlass.const_expr(not is_first):
+                    values.append(self.row_max[r])
+                new_max = quad_max(tree_reduce(values, cute.arch.fmax))
+            else:
+                init = -Float32.inf if cutlass.const_expr(is_first) else self.row_max[r]
+                new_max = s_row.reduce(cute.ReductionOp.MAX, init, 0)
+                new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
             # a row with no visible key yet: exponentiate against 0, not -inf
             safe_max = 0.0 if new_max == -Float32.inf else new_max
             max_scaled = safe_max * self.scale_log2
