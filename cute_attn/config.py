@@ -393,12 +393,32 @@ def fwd_smem_bytes(config: FwdConfig, head_dim: int, itemsize: int = 2) -> int:
     return tiles * itemsize + FWD_SMEM_OVERHEAD
 
 
+# Head dims 65-128 without a mask: from this many keys on, one tile per CTA beats the
+# persistent grid (with_persistent_grid; perf/NOTES.md, session 26).
+ONE_TILE_PER_CTA_FROM_KEYS = 4096
+
+
+def long_unmasked_tiles(head_dim: int, features: AttnFeatures, seqlen_k: Optional[int]) -> bool:
+    """Whether with_persistent_grid keeps one tile per CTA for this key length: an H100
+    A/B (perf/ab_fwd_configs.py --base mha --variants p0, 7 rounds) of one tile per CTA
+    against the persistent grid at head dim 128 without a mask gave 0.963 / 1.007 / 1.018
+    at 1K / 4K / 16K keys (session 17, the other way round: 1.038 / 0.986 / 0.989). The
+    persistent kernel recomputes Q's WGMMA descriptors of the second 64-column atom every
+    step (8 uniform instructions of 471; ptxas hoists them in the one-tile kernel), which a
+    long tile pays on every block and a short one repays through the epilogue overlap.
+    None (unknown length): False."""
+    return (seqlen_k is not None and seqlen_k >= ONE_TILE_PER_CTA_FROM_KEYS and 64 < head_dim <= 128
+            and features.mask == "none" and not features.mod_kernel)
+
+
 @functools.lru_cache(maxsize=256)  # run_fwd_mods asks on every call
 def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeatures,
-                         num_sms: Optional[int]) -> FwdConfig:
+                         num_sms: Optional[int], seqlen_k: Optional[int] = None) -> FwdConfig:
     """The 16-bit forward's config with a persistent grid of num_sms CTAs where that
     measured faster at short sequences and level at long ones, else unchanged (None:
-    no GPU to size it, the CPU compiles).
+    no GPU to size it, the CPU compiles). seqlen_k: the call's key length, None where
+    unknown (long_unmasked_tiles: head dims 65-128 without a mask from 4K keys on keep one
+    tile per CTA).
 
     Measured on an H100 (perf/NOTES.md, session 17; perf/ab_fwd_configs.py, 5 rounds,
     16K tokens, the default timed twice for the noise, which was within 1.6%),
@@ -418,7 +438,7 @@ def with_persistent_grid(config: FwdConfig, head_dim: int, features: AttnFeature
     eligible = (num_sms and (features.mask in ("none", "causal") and not features.mod_kernel or mods)
                 and not features.varlen and not features.kv_lengths and config.pack_gqa == 1
                 and not config.split_kv and config.page_size == 0 and head_dim <= 128)
-    if not eligible:
+    if not eligible or long_unmasked_tiles(head_dim, features, seqlen_k):
         return config
     persistent = dataclasses.replace(config, persistent_ctas=num_sms, tile_queue=features.mask == "causal" or mods)
     return persistent if fwd_smem_bytes(persistent, head_dim) <= SM90_SMEM_BYTES else config

@@ -38,6 +38,7 @@ from cute_attn.config import (
     fp8_fwd_config_for,
     fp8_with_persistent_grid,
     fwd_config_for,
+    long_unmasked_tiles,
     pack_gqa_for,
     split_config,
     split_decode_config,
@@ -373,13 +374,18 @@ def _default_fwd_config(q, k, features: AttnFeatures, page_size: int = 0) -> Fwd
     # packed GQA (FwdConfig.pack_gqa) for short query sequences; the group size is static
     group = q.shape[-2] // k.shape[-2]
     pack = 1 if group == 1 else pack_gqa_for(head_dim, features, q.shape[1], group)
+    # a dense batch's key length (a packed batch's k has no batch mode, a cache's rows are
+    # its capacity): config.with_persistent_grid keeps long unmasked tiles one per CTA
+    seqlen_k = None if features.varlen or features.kv_lengths or page_size else k.shape[1]
+    long_tiles = long_unmasked_tiles(head_dim, features, seqlen_k)
     # per device: a host may mix GPU models, and each may have its own tuned table
-    cache_key = (q.dtype, head_dim, features, pack, page_size, q.device.index)
+    cache_key = (q.dtype, head_dim, features, pack, page_size, q.device.index, long_tiles)
     config = _default_configs.get(cache_key)
     if config is None:
         from cute_attn.tuning import default_fwd_config
 
-        config = default_fwd_config(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, q.device.index, pack, page_size)
+        config = default_fwd_config(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, q.device.index, pack, page_size,
+                                    seqlen_k)
         config = _default_configs.setdefault(cache_key, config)
     return config
 

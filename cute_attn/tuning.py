@@ -132,16 +132,17 @@ def gpu_name(index: Optional[int] = None) -> Optional[str]:
 
 
 def default_fwd_config(dtype: str, head_dim: int, features: AttnFeatures, device_index: Optional[int] = None,
-                       pack_gqa: int = 1, page_size: int = 0) -> FwdConfig:
+                       pack_gqa: int = 1, page_size: int = 0, seqlen_k: Optional[int] = None) -> FwdConfig:
     """The forward's config for a call: this GPU's tuned one where the table has it (the
-    unpacked, unpaged forwards), else config.fwd_config_for. The launcher and warmup
-    both ask here, so warmup builds what calls look up."""
+    unpacked, unpaged forwards), else config.fwd_config_for; on a persistent grid where
+    config.with_persistent_grid takes one (seqlen_k: the call's key length, None where
+    unknown). The launcher and warmup both ask here, so warmup builds what calls look up."""
     config = None
     if pack_gqa == 1 and page_size == 0:
         config = tuned_fwd_config(gpu_name(device_index), dtype, head_dim, features)
     if config is None:
         config = fwd_config_for(head_dim, features, pack_gqa, page_size)
-    return with_persistent_grid(config, head_dim, features, gpu_sm_count(device_index))
+    return with_persistent_grid(config, head_dim, features, gpu_sm_count(device_index), seqlen_k)
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,8 +23,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from cute_attn.config import (CAPABILITIES, AttnFeatures, bwd_config_for, cluster_splits_fit, split_config,
-                              split_decode_config, unsplit_decode_config)
+from cute_attn.config import (CAPABILITIES, ONE_TILE_PER_CTA_FROM_KEYS, AttnFeatures, bwd_config_for,
+                              cluster_splits_fit, split_config, split_decode_config, unsplit_decode_config)
 from cute_attn.tuning import default_fwd_config
 
 # What a plain training or inference job calls: bf16, the two most used head dims,
@@ -76,8 +76,11 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
     for dtype, d, mask, var in itertools.product(dtypes, head_dims, masks, varlen):
         features = AttnFeatures(mask=mask, softcap=softcap, varlen=var)
         if d in CAPABILITIES["fwd"].head_dims:
-            # this GPU's tuned config where it has one, as the launcher takes it
-            jobs.append(Job("fwd", FwdKey(dtype, d, features, default_fwd_config(dtype, d, features))))
+            # this GPU's tuned config where it has one, as the launcher takes it, for short
+            # and long keys (config.long_unmasked_tiles: one tile per CTA from 4K keys)
+            short = default_fwd_config(dtype, d, features)
+            long = default_fwd_config(dtype, d, features, seqlen_k=ONE_TILE_PER_CTA_FROM_KEYS)
+            jobs += [Job("fwd", FwdKey(dtype, d, features, c)) for c in dict.fromkeys((short, long))]
             for pack in gqa_packs if not var else ():
                 config = default_fwd_config(dtype, d, features, pack_gqa=pack)
                 jobs.append(Job("fwd", FwdKey(dtype, d, features, config)))

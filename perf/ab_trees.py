@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--seqlens", type=harness.parse_int_list, default=[1024, 4096, 16384])
     p.add_argument("--dropout", type=float, default=0.0, help="dropout_p for both trees (then no FA4)")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="fp8: forward only, no FA4")
+    p.add_argument("--causal", type=harness.parse_flag_list, default=[0, 1])
     args = p.parse_args(argv)
     if args.prepare:
         prepare(args.prepare)
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     if args.dtype == "fp8" and args.pas != "fwd":
         p.error("--dtype fp8 has a forward only")
     for d in args.headdims:
-        for causal in (False, True):
+        for causal in map(bool, args.causal):
             for s in args.seqlens:
                 b, h = harness.sweep_shape(s, d)
                 q, k, v = (t.requires_grad_(args.pas == "bwd") for t in harness.random_qkv(b, s, h, d, torch.bfloat16))

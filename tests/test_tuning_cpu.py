@@ -193,6 +193,46 @@ def test_persistent_grid_only_where_it_measured_faster(monkeypatch):
         dataclasses.replace(fwd_config_for(128, AttnFeatures()), tile_queue=True)
 
 
+def test_long_unmasked_tiles_keep_one_tile_per_cta(monkeypatch):
+    """config.long_unmasked_tiles: head dims 65-128 without a mask take one tile per CTA
+    from ONE_TILE_PER_CTA_FROM_KEYS keys on (the persistent kernel's per-step cost, session
+    26); shorter keys, an unknown length, causal, head dim 64 and mods stay persistent. The
+    launcher decides by the call's k and keeps both configs apart; warmup builds both."""
+    import torch
+
+    from cute_attn import launcher, warmup
+    from cute_attn.config import ONE_TILE_PER_CTA_FROM_KEYS, long_unmasked_tiles
+
+    monkeypatch.setattr(tuning, "gpu_name", lambda index=None: None)
+    monkeypatch.setattr(tuning, "gpu_sm_count", lambda index=None: 132)
+    none, causal = AttnFeatures(), AttnFeatures(mask="causal")
+    long_keys = ONE_TILE_PER_CTA_FROM_KEYS
+    for d in (96, 128):
+        assert tuning.default_fwd_config("bf16", d, none, seqlen_k=long_keys) == fwd_config_for(d, none)
+        assert tuning.default_fwd_config("bf16", d, none, seqlen_k=4 * long_keys) == fwd_config_for(d, none)
+        for seqlen_k in (None, long_keys - 1, 1024):
+            assert tuning.default_fwd_config("bf16", d, none, seqlen_k=seqlen_k).persistent_ctas == 132
+        assert tuning.default_fwd_config("bf16", d, causal, seqlen_k=long_keys).persistent_ctas == 132
+    assert tuning.default_fwd_config("bf16", 64, none, seqlen_k=long_keys).persistent_ctas == 132
+    assert not long_unmasked_tiles(128, AttnFeatures(mask_mod=object()), long_keys)
+
+    monkeypatch.setattr(launcher, "_default_configs", {})
+    short_q = torch.empty(1, 1024, 4, 128, dtype=torch.bfloat16)
+    long_k = torch.empty(1, long_keys, 4, 128, dtype=torch.bfloat16)
+    assert launcher._default_fwd_config(short_q, short_q, none).persistent_ctas == 132
+    assert launcher._default_fwd_config(short_q, long_k, none) == fwd_config_for(128, none)
+    assert launcher._default_fwd_config(long_k, long_k, causal).persistent_ctas == 132
+    # a packed batch's k is (total, heads, dim): never read as a key length
+    varlen = AttnFeatures(varlen=True)
+    assert launcher._default_fwd_config(long_k[0], long_k[0], varlen) == fwd_config_for(128, varlen)
+
+    jobs = warmup.plan(("bf16",), (128,), ("none", "causal"), varlen=(False,), backward=False)
+    assert [job.key.config for job in jobs] == [
+        tuning.default_fwd_config("bf16", 128, none), fwd_config_for(128, none),
+        tuning.default_fwd_config("bf16", 128, causal)]
+
+
+
 def test_a_grid_with_a_cta_per_tile_reads_no_tile_queue():
     """launcher.uses_tile_queue: the queue's counter (a per-stream lookup per call) only
     where the persistent grid has fewer CTAs than tiles; the kernel's take_ticket skips
