@@ -330,8 +330,9 @@ def _check_capability(family: str, key):
 
 _cache: dict = {}
 _cache_lock = threading.Lock()
-# (torch dtype, head_dim, features, pack_gqa, page_size, device) -> the default config: a
-# new call shape's plan then hashes plain values instead of running the heuristics
+# (torch dtype, head_dim, features, pack_gqa, page_size, device, long unmasked tiles) -> the
+# default config: a new call shape's plan then hashes plain values instead of running the
+# heuristics
 _default_configs: dict = {}
 
 

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--causal", type=harness.parse_flag_list, default=[0, 1])
     p.add_argument("--variants", default="n176")
     p.add_argument("--base", choices=("table", "mha"), default="table",
-                   help="table: fwd_config_for's tiles, one tile per CTA; mha: what mha runs (its persistent grid)")
+                   help="table: fwd_config_for's tiles, one tile per CTA; mha: what mha runs at each key length")
     args = p.parse_args(argv)
     from cute_attn import launcher
     from cute_attn.config import AttnFeatures, fwd_config_for, with_persistent_grid
@@ -57,15 +57,15 @@ def main(argv=None) -> int:
     for d in args.headdims:
         for causal in map(bool, args.causal):
             features = AttnFeatures(mask="causal" if causal else "none")
-            base = fwd_config_for(d, features)
-            if args.base == "mha":
-                base = with_persistent_grid(base, d, features, gpu_sm_count(0))
-            configs = {"default": base}
-            for name in args.variants.split(","):
-                if name == "copy" or variant(base, name) not in configs.values():  # not the default renamed
-                    configs[name] = variant(base, name)
             run_args = launcher.RunArgs(softmax_scale=d ** -0.5)
             for s in args.seqlens:
+                base = fwd_config_for(d, features)
+                if args.base == "mha":  # its grid depends on the key length (config.long_unmasked_tiles)
+                    base = with_persistent_grid(base, d, features, gpu_sm_count(0), s)
+                configs = {"default": base}
+                for name in args.variants.split(","):
+                    if name == "copy" or variant(base, name) not in configs.values():  # not the default renamed
+                        configs[name] = variant(base, name)
                 b, h = harness.TOKENS // s, harness.HIDDEN // d  # 10 heads at 192 (2048 / 192 rounded down)
                 q, k, v = harness.random_qkv(b, s, h, d, torch.bfloat16)
                 flops = harness.attention_flops(b, h, s, s, d, causal)

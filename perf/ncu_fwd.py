@@ -2,7 +2,7 @@
 the sweep's shape (16K tokens, 2048 / head dim heads), random normal inputs. Three calls
 run; profile the last with `--launch-skip 2 --launch-count 1` and a kernel-name filter:
 
-    ncu --clock-control none -k regex:fwd_sm90 --launch-skip 2 --launch-count 1 \\
+    ncu --clock-control none -k regex:"FlashFwdSm90|FlashAttentionForwardSm90" --launch-skip 2 --launch-count 1 \\
         --set full --import-source yes -o OUT python3 perf/ncu_fwd.py cute bf16 128 16384 0
 
     python3 perf/ncu_fwd.py {cute|fa4} {bf16|fp8} HEAD_DIM SEQLEN CAUSAL(0|1)
@@ -21,6 +21,8 @@ import harness  # noqa: E402
 
 def main(argv):
     impl, dtype, d, s, causal = argv[0], argv[1], int(argv[2]), int(argv[3]), bool(int(argv[4]))
+    if impl not in ("cute", "fa4") or dtype not in ("bf16", "fp8") or (impl, dtype) == ("fa4", "fp8"):
+        raise SystemExit(f"{impl} {dtype}: expected cute bf16|fp8 or fa4 bf16 (FA4 has no Hopper FP8)")
     b, h = harness.sweep_shape(s, d)[:2]
     q, k, v = harness.random_qkv(b, s, h, d, torch.bfloat16)
     if impl == "cute":

@@ -216,21 +216,21 @@ def test_long_unmasked_tiles_keep_one_tile_per_cta(monkeypatch):
     assert tuning.default_fwd_config("bf16", 64, none, seqlen_k=long_keys).persistent_ctas == 132
     assert not long_unmasked_tiles(128, AttnFeatures(mask_mod=object()), long_keys)
 
+    # the launcher's per-signature cache keeps the two apart (a short call first, then a
+    # long one of the same features must not get the short one's grid), per dtype too
     monkeypatch.setattr(launcher, "_default_configs", {})
-    short_q = torch.empty(1, 1024, 4, 128, dtype=torch.bfloat16)
-    long_k = torch.empty(1, long_keys, 4, 128, dtype=torch.bfloat16)
-    assert launcher._default_fwd_config(short_q, short_q, none).persistent_ctas == 132
-    assert launcher._default_fwd_config(short_q, long_k, none) == fwd_config_for(128, none)
-    assert launcher._default_fwd_config(long_k, long_k, causal).persistent_ctas == 132
-    # a packed batch's k is (total, heads, dim): never read as a key length
-    varlen = AttnFeatures(varlen=True)
-    assert launcher._default_fwd_config(long_k[0], long_k[0], varlen) == fwd_config_for(128, varlen)
+    for dtype in (torch.bfloat16, torch.float16):
+        short_q = torch.empty(1, 1024, 4, 128, dtype=dtype)
+        long_k = torch.empty(1, long_keys, 4, 128, dtype=dtype)
+        assert launcher._default_fwd_config(short_q, short_q, none).persistent_ctas == 132
+        assert launcher._default_fwd_config(short_q, long_k, none) == fwd_config_for(128, none)
+        assert launcher._default_fwd_config(short_q, short_q, none).persistent_ctas == 132
+        assert launcher._default_fwd_config(long_k, long_k, causal).persistent_ctas == 132
 
     jobs = warmup.plan(("bf16",), (128,), ("none", "causal"), varlen=(False,), backward=False)
     assert [job.key.config for job in jobs] == [
         tuning.default_fwd_config("bf16", 128, none), fwd_config_for(128, none),
         tuning.default_fwd_config("bf16", 128, causal)]
-
 
 
 def test_a_grid_with_a_cta_per_tile_reads_no_tile_queue():

@@ -88,8 +88,10 @@ class OnlineSoftmax(Staged):
         session 13, has what each form measured); and its max as a tree of fmax (FMNMX)
         rather than the vector reduction's NaN-propagating max (FMNMX.NAN, and per shuffle
         step FSETP.NAN + FSETP.GTU + FSEL, whose NaN tests spill predicates to registers:
-        ~100 fewer SASS instructions in the bf16 hd 128 forward; session 26). A NaN
-        score still reaches the output through its exp2."""
+        ~100 fewer SASS instructions in the bf16 hd 128 forward; session 26). fmax skips a
+        NaN score (as FlashAttention's row max does); its P is NaN and reaches O through the
+        PV GEMM, unless dropout drops it (then the row's NaN sum makes finalize treat the
+        row as empty)."""
         S = acc_as_rows_cols(acc_S)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
