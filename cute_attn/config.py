@@ -403,9 +403,9 @@ def long_unmasked_tiles(head_dim: int, features: AttnFeatures, seqlen_k: Optiona
     A/B (perf/ab_fwd_configs.py --base mha --variants p0, 7 rounds) of one tile per CTA
     against the persistent grid at head dim 128 without a mask gave 0.963 / 1.007 / 1.018
     at 1K / 4K / 16K keys (session 17, the other way round: 1.038 / 0.986 / 0.989). The
-    persistent kernel recomputes Q's WGMMA descriptors of the second 64-column atom every
-    step (8 uniform instructions of 471; ptxas hoists them in the one-tile kernel), which a
-    long tile pays on every block and a short one repays through the epilogue overlap.
+    persistent kernel re-derives its WGMMA descriptors every step (a 467-instruction step
+    against the one-tile kernel's 438, perf/sass_events.py), which a long tile pays on
+    every block and a short one repays through the epilogue overlap.
     None (unknown length): False."""
     return (seqlen_k is not None and seqlen_k >= ONE_TILE_PER_CTA_FROM_KEYS and 64 < head_dim <= 128
             and features.mask == "none" and not features.mod_kernel)
