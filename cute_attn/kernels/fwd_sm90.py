@@ -234,6 +234,7 @@ class FlashFwdSm90:
             persistent_ctas=config.persistent_ctas, tile_queue=config.tile_queue,
         )
         self.tile_queue = config.tile_queue
+        self.programmatic_launch = config.programmatic_launch
         assert not self.tile_queue or not features.varlen  # the queue's counter takes cu_seqlens_q's slot
 
     @cute.jit
@@ -356,6 +357,7 @@ class FlashFwdSm90:
             stream=stream,
             # a register cap at entry is what lets ptxas honour setmaxnreg (else C7508)
             min_blocks_per_mp=1,
+            use_pdl=self.programmatic_launch,
         )
 
     def _o_store(self, mO: cute.Tensor, sQ_layout, q_tma: TmaTensor) -> TmaTensor:
@@ -404,6 +406,14 @@ class FlashFwdSm90:
         window = Window(self.features.mask, window_left, window_right)
         block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa, self.split_kv, num_splits)
         pipeline_init_wait()
+        if cutlass.const_expr(self.programmatic_launch):
+            # (FwdConfig.programmatic_launch) everything above touched only shared memory
+            # and the kernel's parameters; the previous kernel may still be writing q, the
+            # cache or the split workspace until this wait returns. The trigger lets the
+            # stream's next programmatic launch start its own setup on free SMs (it waits
+            # in turn for this grid's end).
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
         if cutlass.const_expr(self.persistent):
             self.run_persistent(g, layouts, smem, pipes, block_range, window, score, warp_idx, tidx)
