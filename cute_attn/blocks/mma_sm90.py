@@ -78,8 +78,9 @@ def gemm(
     warpgroup.fence()
     mma_atom = cute.make_mma_atom(tiled_mma.op)
     mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+    pinned = isinstance(tCrA, tuple)  # pinned_k_blocks
+    for k in cutlass.range_constexpr(len(tCrA) if pinned else cute.size(tCrA.shape[2])):
+        cute.gemm(mma_atom, acc, tCrA[k] if pinned else tCrA[None, None, k], tCrB[None, None, k], acc)
         mma_atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     if cutlass.const_expr(wait_groups >= 0):
@@ -191,3 +192,28 @@ def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
     src = acc_as_operand_a(acc)
     for k in cutlass.range_constexpr(cute.size(src.shape[2])):
         dst[None, None, k].store(src[None, None, k].load().to(dst.element_type))
+
+
+
+@dsl_user_op
+def pinned_descriptors(t: cute.Tensor, *, loc=None, ip=None) -> cute.Tensor:
+    """t (one K block of a WGMMA shared-memory descriptor fragment) on its descriptor
+    passed through an asm move: computed where this runs, then only read."""
+    import cutlass._mlir.dialects.cute_nvgpu as nvgpu_ir
+    from cutlass._mlir.dialects import builtin
+
+    from cutlass import Int64
+
+    base = builtin.unrealized_conversion_cast([Int64.mlir_type], [t.iterator], loc=loc, ip=ip)
+    base = llvm.inline_asm(Int64.mlir_type, [base], "mov.b64 $0, $1;", "=l,l", has_side_effects=False,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    desc = builtin.unrealized_conversion_cast([nvgpu_ir.SmemDescType.get()], [base], loc=loc, ip=ip)
+    return cute.make_tensor(desc, t.layout)
+
+
+def pinned_k_blocks(t: cute.Tensor) -> tuple:
+    """A loop-invariant shared-memory operand (Q in the forward) as one tensor per K block,
+    each on a descriptor computed here once: the persistent kernels' PTX otherwise
+    re-derives every descriptor from the shared address inside each mainloop step
+    (perf/NOTES.md, session 26). gemm takes the tuple in place of the fragment."""
+    return tuple(pinned_descriptors(t[None, None, k]) for k in range(cute.size(t.shape[2])))

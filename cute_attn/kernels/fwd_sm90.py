@@ -688,9 +688,9 @@ class FlashFwdSm90:
             tOrP=tOrP,
             tOrP_next=(wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
                        if cutlass.const_expr(self.p_double_buffer) else tOrP),
-            tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.q)),
-            tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k)),
-            tOrVt=wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt)),
+            tSrQ=mma_sm90.pinned_k_blocks(wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.q))),
+            tSrK=mma_sm90.pinned_descriptors(wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k))),
+            tOrVt=mma_sm90.pinned_descriptors(wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))),
             tScS=thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))),
             acc_S_shape=wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
         )
