@@ -78,9 +78,12 @@ def gemm(
     warpgroup.fence()
     mma_atom = cute.make_mma_atom(tiled_mma.op)
     mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    pinned = isinstance(tCrA, tuple)  # pinned_k_blocks
-    for k in cutlass.range_constexpr(len(tCrA) if pinned else cute.size(tCrA.shape[2])):
-        cute.gemm(mma_atom, acc, tCrA[k] if pinned else tCrA[None, None, k], tCrB[None, None, k], acc)
+    # a pinned_k_blocks tuple holds one tensor per K block
+    num_k = len(tCrA) if isinstance(tCrA, tuple) else cute.size(tCrA.shape[2])
+    for k in cutlass.range_constexpr(num_k):
+        a = tCrA[k] if isinstance(tCrA, tuple) else tCrA[None, None, k]
+        b = tCrB[k] if isinstance(tCrB, tuple) else tCrB[None, None, k]
+        cute.gemm(mma_atom, acc, a, b, acc)
         mma_atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     if cutlass.const_expr(wait_groups >= 0):
@@ -216,4 +219,14 @@ def pinned_k_blocks(t: cute.Tensor) -> tuple:
     each on a descriptor computed here once: the persistent kernels' PTX otherwise
     re-derives every descriptor from the shared address inside each mainloop step
     (perf/NOTES.md, session 26). gemm takes the tuple in place of the fragment."""
+    if cute.rank(t) == 4:  # a ring of stages: each K block keeps its stage mode
+        return tuple(pinned_descriptors(t[None, None, k, None]) for k in range(cute.size(t.shape[2])))
     return tuple(pinned_descriptors(t[None, None, k]) for k in range(cute.size(t.shape[2])))
+
+
+def at_stage(t, stage):
+    """Stage `stage` of a staged operand: a fragment's [None, None, None, stage], or each
+    K block of a pinned_k_blocks tuple at that stage."""
+    if isinstance(t, tuple):
+        return tuple(block[None, None, stage] for block in t)
+    return t[None, None, None, stage]

@@ -689,7 +689,7 @@ class FlashFwdSm90:
             tOrP_next=(wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
                        if cutlass.const_expr(self.p_double_buffer) else tOrP),
             tSrQ=mma_sm90.pinned_k_blocks(wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.q))),
-            tSrK=mma_sm90.pinned_descriptors(wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k))),
+            tSrK=mma_sm90.pinned_k_blocks(wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k))),
             tOrVt=mma_sm90.pinned_descriptors(wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))),
             tScS=thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))),
             acc_S_shape=wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
@@ -741,7 +741,7 @@ class FlashFwdSm90:
             acc_S = cute.make_rmem_tensor(ops.acc_S_shape, Float32)
             pipes.k.consumer_wait(kv_state)
             mma_sm90.gemm(
-                tiled_mma_qk, acc_S, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index],
+                tiled_mma_qk, acc_S, ops.tSrQ, mma_sm90.at_stage(ops.tSrK, kv_state.index),
                 zero_init=True, wait_groups=0,
             )
             pipes.k.consumer_release(kv_state)
@@ -844,7 +844,7 @@ class FlashFwdSm90:
             pipes.k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
             mma_sm90.gemm(
-                tiled_mma_qk, acc_S, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index],
+                tiled_mma_qk, acc_S, ops.tSrQ, mma_sm90.at_stage(ops.tSrK, kv_state.index),
                 zero_init=True, wait_groups=-1,
             )
             # Rescale O here, under the QK^T WGMMA, not after the softmax: touching O's
@@ -883,7 +883,7 @@ class FlashFwdSm90:
             pipes.k.consumer_wait(kv_state)
             self.wait_turn(wg_idx)
             mma_sm90.gemm(
-                tiled_mma_qk, acc_S, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index],
+                tiled_mma_qk, acc_S, ops.tSrQ, mma_sm90.at_stage(ops.tSrK, kv_state.index),
                 zero_init=True, wait_groups=-1,
             )
             self.pass_turn(wg_idx)
