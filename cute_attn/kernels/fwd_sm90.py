@@ -683,14 +683,24 @@ class FlashFwdSm90:
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         sVt = mma_sm90.transpose_view(smem.v)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.q))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        if cutlass.const_expr(self.persistent):
+            # the persistent kernels' PTX re-derived every WGMMA descriptor from the shared
+            # address inside each mainloop step (29-46 instructions of 467-491 at hd 128);
+            # pinned here they are computed once per tile. The one-tile kernels hoist them
+            # already (pinning made bf16 hd 256's step longer). perf/NOTES.md, session 26.
+            tSrQ, tSrK = mma_sm90.pinned_k_blocks(tSrQ), mma_sm90.pinned_k_blocks(tSrK)
+            tOrVt = mma_sm90.pinned_descriptors(tOrVt)
         ops = MainloopOperands(
             acc_O=cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32),
             tOrP=tOrP,
             tOrP_next=(wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
                        if cutlass.const_expr(self.p_double_buffer) else tOrP),
-            tSrQ=mma_sm90.pinned_k_blocks(wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.q))),
-            tSrK=mma_sm90.pinned_k_blocks(wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k))),
-            tOrVt=mma_sm90.pinned_descriptors(wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))),
+            tSrQ=tSrQ,
+            tSrK=tSrK,
+            tOrVt=tOrVt,
             tScS=thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))),
             acc_S_shape=wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
         )
