@@ -11,10 +11,11 @@ with P kept in registers) without moving any data.
 from typing import Optional, Type
 
 import cutlass
+import cutlass._mlir.dialects.cute_nvgpu as cute_nvgpu_ir
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import builtin, llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -198,27 +199,32 @@ def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
 
 
 
+# Pinned descriptors. A WGMMA shared-memory operand (make_fragment_A/B of a shared tensor)
+# is a view on a base descriptor; each WGMMA's descriptor is that base plus a constant. In
+# the persistent forwards' PTX, LLVM re-derived the base from the shared address, and the
+# descriptors from the base, inside every mainloop step (29-46 uniform instructions of a
+# 467-491-instruction step at head dim 128; the one-tile kernels compute them once). Passing
+# the base through an asm move makes it an opaque value, computed where the pinning runs.
+# The values are unchanged. perf/NOTES.md, session 26.
+
+
 @dsl_user_op
 def pinned_descriptors(t: cute.Tensor, *, loc=None, ip=None) -> cute.Tensor:
-    """t (one K block of a WGMMA shared-memory descriptor fragment) on its descriptor
-    passed through an asm move: computed where this runs, then only read."""
-    import cutlass._mlir.dialects.cute_nvgpu as nvgpu_ir
-    from cutlass._mlir.dialects import builtin
-
-    from cutlass import Int64
-
+    """t, a WGMMA descriptor view, rebuilt on its base descriptor passed through an asm
+    move: computed here, then only read (the descriptors of its slices are that value plus
+    constants)."""
     base = builtin.unrealized_conversion_cast([Int64.mlir_type], [t.iterator], loc=loc, ip=ip)
     base = llvm.inline_asm(Int64.mlir_type, [base], "mov.b64 $0, $1;", "=l,l", has_side_effects=False,
                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    desc = builtin.unrealized_conversion_cast([nvgpu_ir.SmemDescType.get()], [base], loc=loc, ip=ip)
+    desc = builtin.unrealized_conversion_cast([cute_nvgpu_ir.SmemDescType.get()], [base], loc=loc, ip=ip)
     return cute.make_tensor(desc, t.layout)
 
 
 def pinned_k_blocks(t: cute.Tensor) -> tuple:
-    """A loop-invariant shared-memory operand (Q in the forward) as one tensor per K block,
-    each on a descriptor computed here once: the persistent kernels' PTX otherwise
-    re-derives every descriptor from the shared address inside each mainloop step
-    (perf/NOTES.md, session 26). gemm takes the tuple in place of the fragment."""
+    """A descriptor fragment (MMA, M or N, K blocks[, stages]) as one pinned view per K
+    block (each keeps its stage mode): every WGMMA's descriptor computed once, or once
+    plus its stage's offset. gemm takes the tuple in place of the fragment; at_stage
+    slices a staged one."""
     if cute.rank(t) == 4:  # a ring of stages: each K block keeps its stage mode
         return tuple(pinned_descriptors(t[None, None, k, None]) for k in range(cute.size(t.shape[2])))
     return tuple(pinned_descriptors(t[None, None, k]) for k in range(cute.size(t.shape[2])))

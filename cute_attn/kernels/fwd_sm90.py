@@ -183,8 +183,8 @@ class MainloopOperands(NamedTuple):
     acc_O: cute.Tensor
     tOrP: cute.Tensor  # P as the A operand of PV (registers)
     tOrP_next: cute.Tensor  # FwdConfig.p_double_buffer's second P (else tOrP itself)
-    tSrQ: cute.Tensor
-    tSrK: cute.Tensor
+    tSrQ: object  # a descriptor fragment, or its mma_sm90.pinned_k_blocks tuple
+    tSrK: object  # likewise, with a stage mode (mma_sm90.at_stage)
     tOrVt: cute.Tensor
     tScS: cute.Tensor  # (row, col) of each score this thread holds, for the mask
     acc_S_shape: tuple
@@ -687,10 +687,9 @@ class FlashFwdSm90:
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         if cutlass.const_expr(self.persistent):
-            # the persistent kernels' PTX re-derived every WGMMA descriptor from the shared
-            # address inside each mainloop step (29-46 instructions of 467-491 at hd 128);
-            # pinned here they are computed once per tile. The one-tile kernels hoist them
-            # already (pinning made bf16 hd 256's step longer). perf/NOTES.md, session 26.
+            # descriptors computed once per tile, not in every mainloop step (see
+            # mma_sm90's pinned descriptors); the one-tile kernels hoist them already, and
+            # pinning there made bf16 hd 256's step longer (450 -> 496 instructions)
             tSrQ, tSrK = mma_sm90.pinned_k_blocks(tSrQ), mma_sm90.pinned_k_blocks(tSrK)
             tOrVt = mma_sm90.pinned_descriptors(tOrVt)
         ops = MainloopOperands(
