@@ -549,17 +549,20 @@ class FlashBwdSm90:
 
         n_block, head_kv = tile.block, tile.head
         dkv_shape = wg_mma_dkv.partition_shape_C((self.tile_n, self.head_dim))
+        # every WGMMA descriptor view pinned (mma_sm90's pinned descriptors): this kernel's
+        # step re-derived them from the shared addresses each time (~120 uniform
+        # instructions of 404 at hd 128; pinned 82-110 and steps 483 -> 449, 404 -> 393)
         ops = StepOperands(
-            tSrK=wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.k)),
-            tSrQ=wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.q)),
-            tdPrV=wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.v)),
-            tdPrdO=wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.do)),
+            tSrK=mma_sm90.pinned_descriptors(wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.k))),
+            tSrQ=mma_sm90.pinned_descriptors(wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.q))),
+            tdPrV=mma_sm90.pinned_descriptors(wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.v))),
+            tdPrdO=mma_sm90.pinned_descriptors(wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.do))),
             # B operands of dV, dK and dQ: dO^T, Q^T and K^T
-            tdVrdO=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.do))),
-            tdKrQ=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.q))),
+            tdVrdO=mma_sm90.pinned_descriptors(wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.do)))),
+            tdKrQ=mma_sm90.pinned_descriptors(wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.q)))),
             # (with ds_stages 2, a last mode for the sdS buffer: indexed by the step's stage)
             tdQrdS=wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(smem.ds))),
-            tdQrK=wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(mma_sm90.transpose_view(smem.k))),
+            tdQrK=mma_sm90.pinned_descriptors(wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(mma_sm90.transpose_view(smem.k)))),
             acc_dV=cute.make_rmem_tensor(dkv_shape, Float32),
             acc_dK=cute.make_rmem_tensor(dkv_shape, Float32),
             tdVrP=wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(smem.p)) if self.split_d else None,
