@@ -69,18 +69,22 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
 def gemm(
     tiled_mma: cute.TiledMma,
     acc: cute.Tensor,
-    tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
+    tCrA,
+    tCrB,
     zero_init: cutlass.Constexpr[bool] = False,
     wait_groups: cutlass.Constexpr[int] = 0,
 ):
-    """Issue acc (+)= A @ B as one WGMMA group over the K blocks. wait_groups >= 0 waits
-    until at most that many WGMMA groups are still in flight; -1 returns at once."""
+    """Issue acc (+)= A @ B as one WGMMA group over the K blocks. tCrA, tCrB: fragments
+    (K blocks in mode 2), or pinned_k_blocks tuples (one view per K block). wait_groups
+    >= 0 waits until at most that many WGMMA groups are still in flight; -1 returns at
+    once."""
     warpgroup.fence()
     mma_atom = cute.make_mma_atom(tiled_mma.op)
     mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    # a pinned_k_blocks tuple holds one tensor per K block
     num_k = len(tCrA) if isinstance(tCrA, tuple) else cute.size(tCrA.shape[2])
+    num_k_b = len(tCrB) if isinstance(tCrB, tuple) else cute.size(tCrB.shape[2])
+    if cutlass.const_expr(num_k != num_k_b):  # (trace time) a partial GEMM would be silently wrong
+        raise ValueError(f"A has {num_k} K blocks, B {num_k_b}")
     for k in cutlass.range_constexpr(num_k):
         a = tCrA[k] if isinstance(tCrA, tuple) else tCrA[None, None, k]
         b = tCrB[k] if isinstance(tCrB, tuple) else tCrB[None, None, k]
@@ -198,21 +202,20 @@ def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
         dst[None, None, k].store(src[None, None, k].load().to(dst.element_type))
 
 
-
 # Pinned descriptors. A WGMMA shared-memory operand (make_fragment_A/B of a shared tensor)
-# is a view on a base descriptor; each WGMMA's descriptor is that base plus a constant. In
-# the persistent forwards' PTX, LLVM re-derived the base from the shared address, and the
-# descriptors from the base, inside every mainloop step (29-46 uniform instructions of a
-# 467-491-instruction step at head dim 128; the one-tile kernels compute them once). Passing
-# the base through an asm move makes it an opaque value, computed where the pinning runs.
-# The values are unchanged. perf/NOTES.md, session 26.
+# is a view on a start descriptor; each WGMMA's descriptor is that value plus an offset (a
+# constant, or a stage's). In the kernels' PTX, LLVM re-derived the descriptors from the
+# shared address inside every mainloop step: 29-46 uniform instructions of a 467-491
+# instruction step in the persistent forwards at head dim 128, ~120 of 404 in the
+# backward. Passing the start value through an asm move makes it opaque to LLVM, so it is
+# computed where the pinning runs and the steps only add offsets. The values are unchanged
+# (same PTX without the move). perf/NOTES.md, session 26.
 
 
 @dsl_user_op
 def pinned_descriptors(t: cute.Tensor, *, loc=None, ip=None) -> cute.Tensor:
-    """t, a WGMMA descriptor view, rebuilt on its base descriptor passed through an asm
-    move: computed here, then only read (the descriptors of its slices are that value plus
-    constants)."""
+    """t, a WGMMA descriptor view, rebuilt on its start descriptor passed through an asm
+    move (same layout, same values): the move is where the descriptor is computed."""
     base = builtin.unrealized_conversion_cast([Int64.mlir_type], [t.iterator], loc=loc, ip=ip)
     base = llvm.inline_asm(Int64.mlir_type, [base], "mov.b64 $0, $1;", "=l,l", has_side_effects=False,
                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
