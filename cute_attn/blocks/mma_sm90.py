@@ -11,10 +11,11 @@ with P kept in registers) without moving any data.
 from typing import Optional, Type
 
 import cutlass
+import cutlass._mlir.dialects.cute_nvgpu as cute_nvgpu_ir
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import builtin, llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -68,18 +69,26 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
 def gemm(
     tiled_mma: cute.TiledMma,
     acc: cute.Tensor,
-    tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
+    tCrA,
+    tCrB,
     zero_init: cutlass.Constexpr[bool] = False,
     wait_groups: cutlass.Constexpr[int] = 0,
 ):
-    """Issue acc (+)= A @ B as one WGMMA group over the K blocks. wait_groups >= 0 waits
-    until at most that many WGMMA groups are still in flight; -1 returns at once."""
+    """Issue acc (+)= A @ B as one WGMMA group over the K blocks. tCrA, tCrB: fragments
+    (K blocks in mode 2), or pinned_k_blocks tuples (one view per K block). wait_groups
+    >= 0 waits until at most that many WGMMA groups are still in flight; -1 returns at
+    once."""
     warpgroup.fence()
     mma_atom = cute.make_mma_atom(tiled_mma.op)
     mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+    num_k = len(tCrA) if isinstance(tCrA, tuple) else cute.size(tCrA.shape[2])
+    num_k_b = len(tCrB) if isinstance(tCrB, tuple) else cute.size(tCrB.shape[2])
+    if cutlass.const_expr(num_k != num_k_b):  # (trace time) a partial GEMM would be silently wrong
+        raise ValueError(f"A has {num_k} K blocks, B {num_k_b}")
+    for k in cutlass.range_constexpr(num_k):
+        a = tCrA[k] if isinstance(tCrA, tuple) else tCrA[None, None, k]
+        b = tCrB[k] if isinstance(tCrB, tuple) else tCrB[None, None, k]
+        cute.gemm(mma_atom, acc, a, b, acc)
         mma_atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     if cutlass.const_expr(wait_groups >= 0):
@@ -191,3 +200,42 @@ def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
     src = acc_as_operand_a(acc)
     for k in cutlass.range_constexpr(cute.size(src.shape[2])):
         dst[None, None, k].store(src[None, None, k].load().to(dst.element_type))
+
+
+# Pinned descriptors. A WGMMA shared-memory operand (make_fragment_A/B of a shared tensor)
+# is a view on a start descriptor; each WGMMA's descriptor is that value plus an offset (a
+# constant, or a stage's). In the kernels' PTX, LLVM re-derived the descriptors from the
+# shared address inside every mainloop step: 29-46 uniform instructions of a 467-491
+# instruction step in the persistent forwards at head dim 128, ~120 of 404 in the
+# backward. Passing the start value through an asm move makes it opaque to LLVM, so it is
+# computed where the pinning runs and the steps only add offsets. The values are unchanged
+# (same PTX without the move). perf/NOTES.md, session 26.
+
+
+@dsl_user_op
+def pinned_descriptors(t: cute.Tensor, *, loc=None, ip=None) -> cute.Tensor:
+    """t, a WGMMA descriptor view, rebuilt on its start descriptor passed through an asm
+    move (same layout, same values): the move is where the descriptor is computed."""
+    base = builtin.unrealized_conversion_cast([Int64.mlir_type], [t.iterator], loc=loc, ip=ip)
+    base = llvm.inline_asm(Int64.mlir_type, [base], "mov.b64 $0, $1;", "=l,l", has_side_effects=False,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    desc = builtin.unrealized_conversion_cast([cute_nvgpu_ir.SmemDescType.get()], [base], loc=loc, ip=ip)
+    return cute.make_tensor(desc, t.layout)
+
+
+def pinned_k_blocks(t: cute.Tensor) -> tuple:
+    """A descriptor fragment (MMA, M or N, K blocks[, stages]) as one pinned view per K
+    block (each keeps its stage mode): every WGMMA's descriptor computed once, or once
+    plus its stage's offset. gemm takes the tuple in place of the fragment; at_stage
+    slices a staged one."""
+    if cute.rank(t) == 4:  # a ring of stages: each K block keeps its stage mode
+        return tuple(pinned_descriptors(t[None, None, k, None]) for k in range(cute.size(t.shape[2])))
+    return tuple(pinned_descriptors(t[None, None, k]) for k in range(cute.size(t.shape[2])))
+
+
+def at_stage(t, stage):
+    """Stage `stage` of a staged operand: a fragment's [None, None, None, stage], or each
+    K block of a pinned_k_blocks tuple at that stage."""
+    if isinstance(t, tuple):
+        return tuple(block[None, None, stage] for block in t)
+    return t[None, None, None, stage]
