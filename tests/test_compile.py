@@ -327,8 +327,8 @@ def test_split_forward_waits_for_the_previous_grid_before_touching_global_memory
     """FwdConfig.programmatic_launch (split_config turns it on): the launch may start while
     the previous kernel still writes q, the cache or the split workspace, so in the PTX
     griddepcontrol.wait comes before the kernel's first global load, store, atomic or TMA
-    copy, and the trigger for the next launch right after it. The unsplit kernel has
-    neither (its PTX is what it was)."""
+    copy, and no early trigger for the next launch. The unsplit kernel has neither (its
+    PTX is what it was)."""
     from cute_attn import launcher
     from cute_attn.config import fwd_config_for, split_config
 
@@ -339,7 +339,7 @@ def test_split_forward_waits_for_the_previous_grid_before_touching_global_memory
     body = launcher.compile_fwd(launcher.FwdKey("bf16", 128, features, split), "--keep-ptx").__ptx__
     body = body[body.index(".entry"):]
     wait = body.index("griddepcontrol.wait")
-    assert wait < body.index("griddepcontrol.launch_dependents")
+    assert "griddepcontrol.launch_dependents" not in body
     first_global = min(m.start() for pat in (r"\bld\.global", r"\bst\.global", r"\batom\.", r"\bred\.",
                                              r"cp\.async\.bulk")
                        for m in [re.search(pat, body)] if m)

@@ -549,23 +549,17 @@ class FlashBwdSm90:
 
         n_block, head_kv = tile.block, tile.head
         dkv_shape = wg_mma_dkv.partition_shape_C((self.tile_n, self.head_dim))
-        # the views of Q, K, V, dO and their transposes pinned (mma_sm90's pinned
-        # descriptors): this kernel's step re-derived them from the shared addresses each
-        # time (~120 uniform instructions of 404 at hd 128; pinned, steps 483 -> 449 and
-        # 404 -> 393). sdS's view and split_d's P / dS views are left as they are.
-        pin = mma_sm90.pinned_descriptors
-        sdp, dkv, dq = wg_mma_sdp, wg_mma_dkv, wg_mma_dq
         ops = StepOperands(
-            tSrK=pin(sdp.make_fragment_A(sdp.partition_A(smem.k))),
-            tSrQ=pin(sdp.make_fragment_B(sdp.partition_B(smem.q))),
-            tdPrV=pin(sdp.make_fragment_A(sdp.partition_A(smem.v))),
-            tdPrdO=pin(sdp.make_fragment_B(sdp.partition_B(smem.do))),
+            tSrK=wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.k)),
+            tSrQ=wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.q)),
+            tdPrV=wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.v)),
+            tdPrdO=wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.do)),
             # B operands of dV, dK and dQ: dO^T, Q^T and K^T
-            tdVrdO=pin(dkv.make_fragment_B(dkv.partition_B(mma_sm90.transpose_view(smem.do)))),
-            tdKrQ=pin(dkv.make_fragment_B(dkv.partition_B(mma_sm90.transpose_view(smem.q)))),
+            tdVrdO=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.do))),
+            tdKrQ=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.q))),
             # (with ds_stages 2, a last mode for the sdS buffer: indexed by the step's stage)
-            tdQrdS=dq.make_fragment_A(dq.partition_A(mma_sm90.transpose_view(smem.ds))),
-            tdQrK=pin(dq.make_fragment_B(dq.partition_B(mma_sm90.transpose_view(smem.k)))),
+            tdQrdS=wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(smem.ds))),
+            tdQrK=wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(mma_sm90.transpose_view(smem.k))),
             acc_dV=cute.make_rmem_tensor(dkv_shape, Float32),
             acc_dK=cute.make_rmem_tensor(dkv_shape, Float32),
             tdVrP=wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(smem.p)) if self.split_d else None,

@@ -235,6 +235,13 @@ class FlashFwdSm90:
         )
         self.tile_queue = config.tile_queue
         self.programmatic_launch = config.programmatic_launch
+        # WGMMA descriptors pinned once per tile (mma_sm90.pinned_k_blocks) where that
+        # measured faster: the 16-bit persistent forwards at head dim <= 64, +1.0-1.8% without
+        # a mask, level causal (H100, perf/NOTES.md session 27; SASS step 422 -> 407). At
+        # head dim 128 the shorter step (causal 491 -> 448 instructions) ran 2-3.5% slower
+        # causal, and FP8, the one-tile kernels and the backward were level.
+        self.pinned_descriptors = (self.persistent and head_dim <= 64 and not self.fp8
+                                   and features.mask_mod is None and features.score_mod is None)
         assert not self.tile_queue or not features.varlen  # the queue's counter takes cu_seqlens_q's slot
 
     @cute.jit
@@ -409,11 +416,10 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.programmatic_launch):
             # (FwdConfig.programmatic_launch) everything above touched only shared memory
             # and the kernel's parameters; the previous kernel may still be writing q, the
-            # cache or the split workspace until this wait returns. The trigger lets the
-            # stream's next programmatic launch start its own setup on free SMs (it waits
-            # in turn for this grid's end).
+            # cache or the split workspace until this wait returns. No early trigger for
+            # the next launch: its CTAs, placed while this grid still held the SMs, piled
+            # onto the few free ones (CUDA graphs, 8K keys: 17.6 -> 19.2 us)
             cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
 
         if cutlass.const_expr(self.persistent):
             self.run_persistent(g, layouts, smem, pipes, block_range, window, score, warp_idx, tidx)
@@ -696,16 +702,11 @@ class FlashFwdSm90:
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.q))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
-        if cutlass.const_expr(self.persistent):
-            # descriptors computed once per tile, not in every mainloop step (see
-            # mma_sm90's pinned descriptors), one per K block: causal hd 128 491 -> 448
-            # instructions per step
+        if cutlass.const_expr(self.pinned_descriptors):
+            # descriptors computed once per tile, not in every mainloop step (mma_sm90's
+            # pinned descriptors), one per K block
             tSrQ, tSrK = mma_sm90.pinned_k_blocks(tSrQ), mma_sm90.pinned_k_blocks(tSrK)
             tOrVt = mma_sm90.pinned_descriptors(tOrVt)
-        else:
-            # the one-tile kernels mostly hoist them already: pinned per K block bf16 hd 256's
-            # step grew 450 -> 496, pinned whole it shrinks to 439
-            tSrQ, tSrK, tOrVt = (mma_sm90.pinned_descriptors(t) for t in (tSrQ, tSrK, tOrVt))
         ops = MainloopOperands(
             acc_O=cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32),
             tOrP=tOrP,
