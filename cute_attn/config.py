@@ -292,13 +292,6 @@ class FwdConfig(_WarpSpecialized):
     # wait_all_groups_after), so the softmax runs under PV, instead of where ptxas puts it
     # (above them). Not with p_double_buffer (ptxas serialised the WGMMAs: registers).
     pv_wait_after_softmax: bool = False
-    # Programmatic dependent launch (PDL): the launch may start while the stream's previous
-    # kernel is still finishing. Its threads set up shared memory and barriers, then wait
-    # (griddepcontrol.wait: the previous grid done and its writes visible) before any
-    # global read or write, and at once let the stream's next PDL launch start likewise.
-    # For short kernels whose launch and prologue are a visible part of the call: the
-    # split-KV (decode) launches (split_config).
-    programmatic_launch: bool = False
 
     @property
     def kv_box_rows(self) -> int:
@@ -507,11 +500,8 @@ def cluster_merge_rows_fit(config: FwdConfig, packed_rows: int, head_dim: int) -
 
 def split_config(config: FwdConfig) -> FwdConfig:
     """The split-KV forward of a config (launcher._split_kernel, warmup): a split grid
-    is sized to fill the GPU already, so it is never persistent; it is launched
-    programmatically (FwdConfig.programmatic_launch: a decode call is tens of
-    microseconds, of which the launch gap and the prologue are a few)."""
-    return dataclasses.replace(config, split_kv=True, persistent_ctas=0, tile_queue=False,
-                               programmatic_launch=True)
+    is sized to fill the GPU already, so it is never persistent."""
+    return dataclasses.replace(config, split_kv=True, persistent_ctas=0, tile_queue=False)
 
 
 def paged_tile_n(tile_n: int, page_size: int) -> int:

@@ -323,31 +323,6 @@ def test_split_kv_forward_compiles_and_writes_fp32_partials(mask, pack):
         assert m and int(m.group(1)) == 0, report
 
 
-def test_split_forward_waits_for_the_previous_grid_before_touching_global_memory():
-    """FwdConfig.programmatic_launch (split_config turns it on): the launch may start while
-    the previous kernel still writes q, the cache or the split workspace, so in the PTX
-    griddepcontrol.wait comes before the kernel's first global load, store, atomic or TMA
-    copy, and no early trigger for the next launch. The unsplit kernel has neither (its
-    PTX is what it was)."""
-    from cute_attn import launcher
-    from cute_attn.config import fwd_config_for, split_config
-
-    features = AttnFeatures(mask="causal", kv_lengths=True)
-    base = fwd_config_for(128, features, 4)
-    split = split_config(base)
-    assert split.programmatic_launch and not base.programmatic_launch
-    body = launcher.compile_fwd(launcher.FwdKey("bf16", 128, features, split), "--keep-ptx").__ptx__
-    body = body[body.index(".entry"):]
-    wait = body.index("griddepcontrol.wait")
-    assert "griddepcontrol.launch_dependents" not in body
-    first_global = min(m.start() for pat in (r"\bld\.global", r"\bst\.global", r"\batom\.", r"\bred\.",
-                                             r"cp\.async\.bulk")
-                       for m in [re.search(pat, body)] if m)
-    assert wait < first_global
-    unsplit = launcher.compile_fwd(launcher.FwdKey("bf16", 128, features, base), "--keep-ptx").__ptx__
-    assert "griddepcontrol" not in unsplit
-
-
 @pytest.mark.parametrize("head_dim, mask, tile_queue", [(64, "none", False), (128, "none", False),
                                                         (128, "causal", True), (64, "causal", True)])
 def test_persistent_forward_compiles_with_a_tile_loop(head_dim, mask, tile_queue):

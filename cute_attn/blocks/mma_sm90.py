@@ -204,12 +204,13 @@ def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
 
 # Pinned descriptors. A WGMMA shared-memory operand (make_fragment_A/B of a shared tensor)
 # is a view on a start descriptor; each WGMMA's descriptor is that value plus an offset (a
-# constant, or a stage's). In the kernels' PTX, LLVM re-derived the descriptors from the
-# shared address inside every mainloop step: 29-46 uniform instructions of a 467-491
-# instruction step in the persistent forwards at head dim 128, ~120 of 404 in the
-# backward. Passing the start value through an asm move makes it opaque to LLVM, so it is
-# computed where the pinning runs and the steps only add offsets. The values are unchanged
-# (same PTX without the move). perf/NOTES.md, session 26.
+# constant, or a stage's). In the persistent forwards' PTX, LLVM re-derived the
+# descriptors from the shared address inside every mainloop step (15-46 uniform
+# instructions of a 422-491 instruction step). Passing the start value through an asm
+# move makes it opaque to LLVM, so it is computed where the pinning runs and the steps
+# only add offsets. The values are unchanged (same PTX without the move). Fewer
+# instructions did not always mean faster: FlashFwdSm90.pinned_descriptors says where it
+# measured so (perf/NOTES.md, sessions 26-27).
 
 
 @dsl_user_op

@@ -234,12 +234,12 @@ class FlashFwdSm90:
             persistent_ctas=config.persistent_ctas, tile_queue=config.tile_queue,
         )
         self.tile_queue = config.tile_queue
-        self.programmatic_launch = config.programmatic_launch
         # WGMMA descriptors pinned once per tile (mma_sm90.pinned_k_blocks) where that
-        # measured faster: the 16-bit persistent forwards at head dim <= 64, +1.0-1.8% without
-        # a mask, level causal (H100, perf/NOTES.md session 27; SASS step 422 -> 407). At
-        # head dim 128 the shorter step (causal 491 -> 448 instructions) ran 2-3.5% slower
-        # causal, and FP8, the one-tile kernels and the backward were level.
+        # measured faster: the 16-bit persistent forwards at head dim <= 64, +1.5-1.8% at
+        # 4K / 16K keys without a mask in two runs (1K and causal level; H100, perf/NOTES.md
+        # session 27; SASS step 422 -> 407). At head dim 128 the shorter step (causal
+        # 491 -> 448 instructions) ran 2-3.5% slower causal; FP8, the one-tile kernels and
+        # the backward were level. Mods kernels: not measured.
         self.pinned_descriptors = (self.persistent and head_dim <= 64 and not self.fp8
                                    and features.mask_mod is None and features.score_mod is None)
         assert not self.tile_queue or not features.varlen  # the queue's counter takes cu_seqlens_q's slot
@@ -364,7 +364,6 @@ class FlashFwdSm90:
             stream=stream,
             # a register cap at entry is what lets ptxas honour setmaxnreg (else C7508)
             min_blocks_per_mp=1,
-            use_pdl=self.programmatic_launch,
         )
 
     def _o_store(self, mO: cute.Tensor, sQ_layout, q_tma: TmaTensor) -> TmaTensor:
@@ -413,13 +412,6 @@ class FlashFwdSm90:
         window = Window(self.features.mask, window_left, window_right)
         block_range = BlockRange(self.tile_m, self.tile_n, window, self.pack_gqa, self.split_kv, num_splits)
         pipeline_init_wait()
-        if cutlass.const_expr(self.programmatic_launch):
-            # (FwdConfig.programmatic_launch) everything above touched only shared memory
-            # and the kernel's parameters; the previous kernel may still be writing q, the
-            # cache or the split workspace until this wait returns. No early trigger for
-            # the next launch: its CTAs, placed while this grid still held the SMs, piled
-            # onto the few free ones (CUDA graphs, 8K keys: 17.6 -> 19.2 us)
-            cute.arch.griddepcontrol_wait()
 
         if cutlass.const_expr(self.persistent):
             self.run_persistent(g, layouts, smem, pipes, block_range, window, score, warp_idx, tidx)
