@@ -170,6 +170,9 @@ CASES = (
     # the same through the tile queue (8 x 16 x 4 = 512 tiles: tickets, the hand-off)
     Case("persistent-hd64-gqa", head_dim=64, batch=4, seqlen_q=1000, seqlen_k=1111, nheads=16, nheads_kv=4,
          softcap=20.0),
+    # head dims 65-128 without a mask from 4K keys keep one tile per CTA
+    # (config.long_unmasked_tiles) with the FMNMX row max: a key length past the rule
+    Case("long-keys-hd128-gqa", batch=1, seqlen_q=200, seqlen_k=4200, nheads=4, nheads_kv=2, backward=False),
     Case("persistent-queue-causal-gqa", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4, causal=True),
     # the same tiles dealt round robin (no queue), and through the queue without GQA
     Case("persistent-rr-causal-gqa", batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16, nheads_kv=4, causal=True,
