@@ -440,6 +440,16 @@ def package_version(name: str) -> str | None:
         return None
 
 
+def tree_version() -> str:
+    """The cute_attn version a results file records: git_describe, and the kernel sources'
+    fingerprint (compile_cache.source_fingerprint), which names the tree even where the
+    checkout's HEAD does not (the device's copy of a working tree reads as its base commit,
+    '-dirty'). Recompute it for a commit with `git worktree add` and source_fingerprint()."""
+    from cute_attn.compile_cache import source_fingerprint
+
+    return f"{git_describe()} sources {source_fingerprint()[:16]}"
+
+
 def git_describe() -> str | None:
     """Short HEAD of this checkout, '-dirty' when cute_attn/ has uncommitted changes."""
     try:
@@ -758,7 +768,7 @@ def load_cute_attn() -> Impl:
     def fn(q, k, v, causal):
         return cute_attn.mha(q, k, v, causal=causal)
 
-    return Impl("cute_attn", fn, version=git_describe())
+    return Impl("cute_attn", fn, version=tree_version())
 
 
 def load_fa4() -> Impl:

@@ -222,3 +222,13 @@ def test_config_variant_applies_each_part(harness):
     for bad in ("x3", "n", "n192+late1"):
         with pytest.raises(ValueError, match="unknown variant"):
             harness.config_variant(Cfg(), bad, fields, flags)
+
+
+def test_results_name_the_tree_by_its_kernel_sources(harness):
+    """The version a results file records for cute_attn carries the kernel sources'
+    fingerprint: a device copy of a working tree reports its base commit as HEAD, so the
+    commit alone does not say which kernels ran."""
+    from cute_attn.compile_cache import source_fingerprint
+
+    version = harness.tree_version()
+    assert version.endswith(f"sources {source_fingerprint()[:16]}")

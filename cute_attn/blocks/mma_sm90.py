@@ -205,8 +205,8 @@ def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
 # Pinned descriptors. A WGMMA shared-memory operand (make_fragment_A/B of a shared tensor)
 # is a view on a start descriptor; each WGMMA's descriptor is that value plus an offset (a
 # constant, or a stage's). In the persistent forwards' PTX, LLVM re-derived the
-# descriptors from the shared address inside every mainloop step (15-46 uniform
-# instructions of a 422-491 instruction step). Passing the start value through an asm
+# descriptors from the shared address inside every mainloop step (16-bit: 15-43 uniform
+# instructions of a 422-491 instruction step; FP8: 21-45 of 568-637). Passing the start value through an asm
 # move makes it opaque to LLVM, so it is computed where the pinning runs and the steps
 # only add offsets. The values are unchanged (same PTX without the move). Fewer
 # instructions did not always mean faster: FlashFwdSm90.pinned_descriptors says where it

@@ -236,12 +236,11 @@ class FlashFwdSm90:
         self.tile_queue = config.tile_queue
         # WGMMA descriptors pinned once per tile (mma_sm90.pinned_k_blocks) where that
         # measured faster: the 16-bit persistent forwards at head dim <= 64, +1.5-1.8% at
-        # 4K / 16K keys without a mask in two runs (1K and causal level; H100, perf/NOTES.md
-        # session 27; SASS step 422 -> 407). At head dim 128 the shorter step (causal
-        # 491 -> 448 instructions) ran 2-3.5% slower causal; FP8, the one-tile kernels and
-        # the backward were level. Mods kernels: not measured.
-        self.pinned_descriptors = (self.persistent and head_dim <= 64 and not self.fp8
-                                   and features.mask_mod is None and features.score_mod is None)
+        # 4K / 16K keys without a mask in two runs (1K level, causal -0.7..+1.5%; H100,
+        # perf/NOTES.md session 27; SASS step 422 -> 407). At head dim 128 the shorter step
+        # (causal 491 -> 448 instructions) ran 1.8-3.5% slower causal; FP8, hd 128's one-tile
+        # kernel and the backward were level. Mods kernels: not measured.
+        self.pinned_descriptors = self.persistent and head_dim <= 64 and not self.fp8 and not features.has_mods
         assert not self.tile_queue or not features.varlen  # the queue's counter takes cu_seqlens_q's slot
 
     @cute.jit
