@@ -174,7 +174,7 @@ CASES = (
     # (config.long_unmasked_tiles) with the FMNMX row max: a key length past the rule, and
     # 128 query tiles, enough that the launcher does not split the keys (choose_splits)
     Case("long-keys-hd128-gqa", batch=2, seqlen_q=1000, seqlen_k=4200, nheads=8, nheads_kv=4, backward=False),
-    # the pinned descriptors (FlashFwdSm90.pinned_descriptors) of head dim 64's persistent
+    # the pinned descriptors (FlashFwdSm90.pin_descriptors) of head dim 64's persistent
     # causal forward, through the tile queue
     Case("persistent-queue-causal-hd64-gqa", head_dim=64, batch=4, seqlen_q=1000, seqlen_k=1000, nheads=16,
          nheads_kv=4, causal=True, backward=False),

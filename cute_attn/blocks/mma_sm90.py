@@ -206,11 +206,11 @@ def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
 # is a view on a start descriptor; each WGMMA's descriptor is that value plus an offset (a
 # constant, or a stage's). In the persistent forwards' PTX, LLVM re-derived the
 # descriptors from the shared address inside every mainloop step (16-bit: 15-43 uniform
-# instructions of a 422-491 instruction step; FP8: 21-45 of 568-637). Passing the start value through an asm
-# move makes it opaque to LLVM, so it is computed where the pinning runs and the steps
-# only add offsets. The values are unchanged (same PTX without the move). Fewer
-# instructions did not always mean faster: FlashFwdSm90.pinned_descriptors says where it
-# measured so (perf/NOTES.md, sessions 26-27).
+# instructions of a 422-491 instruction step; FP8: 21-45 of 568-637). Passing the start
+# value through an asm move makes it opaque to LLVM, so it is computed where the pinning
+# runs and the steps only add offsets. The values are unchanged (same PTX without the
+# move). Fewer instructions did not always mean faster: FlashFwdSm90.pin_descriptors says
+# where it measured so (perf/NOTES.md, sessions 26-27).
 
 
 @dsl_user_op
@@ -229,9 +229,8 @@ def pinned_k_blocks(t: cute.Tensor) -> tuple:
     block (each keeps its stage mode): every WGMMA's descriptor computed once, or once
     plus its stage's offset. gemm takes the tuple in place of the fragment; at_stage
     slices a staged one."""
-    if cute.rank(t) == 4:  # a ring of stages: each K block keeps its stage mode
-        return tuple(pinned_descriptors(t[None, None, k, None]) for k in range(cute.size(t.shape[2])))
-    return tuple(pinned_descriptors(t[None, None, k]) for k in range(cute.size(t.shape[2])))
+    stage_mode = (None,) * (cute.rank(t) - 3)  # a ring of stages: each K block keeps it
+    return tuple(pinned_descriptors(t[(None, None, k, *stage_mode)]) for k in range(cute.size(t.shape[2])))
 
 
 def at_stage(t, stage):

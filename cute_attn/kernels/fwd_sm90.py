@@ -240,7 +240,7 @@ class FlashFwdSm90:
         # perf/NOTES.md session 27; SASS step 422 -> 407). At head dim 128 the shorter step
         # (causal 491 -> 448 instructions) ran 1.8-3.5% slower causal; FP8, hd 128's one-tile
         # kernel and the backward were level. Mods kernels: not measured.
-        self.pinned_descriptors = self.persistent and head_dim <= 64 and not self.fp8 and not features.has_mods
+        self.pin_descriptors = self.persistent and head_dim <= 64 and not self.fp8 and not features.has_mods
         assert not self.tile_queue or not features.varlen  # the queue's counter takes cu_seqlens_q's slot
 
     @cute.jit
@@ -693,7 +693,7 @@ class FlashFwdSm90:
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.q))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.k))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
-        if cutlass.const_expr(self.pinned_descriptors):
+        if cutlass.const_expr(self.pin_descriptors):
             # descriptors computed once per tile, not in every mainloop step (mma_sm90's
             # pinned descriptors), one per K block
             tSrQ, tSrK = mma_sm90.pinned_k_blocks(tSrQ), mma_sm90.pinned_k_blocks(tSrK)
