@@ -668,8 +668,10 @@ def test_dq_handoff_per_wg_backward_meets_the_writer_per_warpgroup():
     features = AttnFeatures(mask="causal")
     config = dataclasses.replace(bwd_config_for(128, features), ds_stages=2, dq_handoff_per_wg=True)
     main = ptx_tool.compile_bwd_artifacts("bf16", 128, features, config)["main"]
+    # the writer names both pairs; the consumers take theirs by warpgroup, an id in a register
     for barrier in (NamedBarrier.DQ_FULL_WG1, NamedBarrier.DQ_EMPTY_WG1):
         assert re.search(rf"bar\.(sync|arrive)\s+{int(barrier)}, 160;", main.ptx), barrier
+    assert re.search(r"bar\.sync\s+%r\d+, 160;", main.ptx) and re.search(r"bar\.arrive\s+%r\d+, 160;", main.ptx)
     assert ", 288;" not in main.ptx
     if "ptxas not found" not in main.ptxas_report:
         m = re.search(r"(\d+) bytes spill stores", main.ptxas_report)
