@@ -675,6 +675,12 @@ class BwdConfig(_WarpSpecialized):
     # wait for dP^T first). Off: slower on an H100 at hd 128 16K, -3.5% / -5.2% causal
     # (perf/NOTES.md, session 25); kept as a knob for the other head dims and tiles.
     dp_wait_after_exp2: bool = False
+    # With two sdS buffers: each consumer warpgroup hands its half of sdQ to the dQ writer
+    # on a barrier pair of its own (its 128 threads and the writer's 32), and the writer
+    # reduce-adds the halves one after the other, so the warpgroups no longer meet the
+    # writer together at every step's end (FlashAttention-4's Hopper hand-off). Not with
+    # the deterministic backward (its turn counters order whole chunks).
+    dq_handoff_per_wg: bool = False
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -696,6 +702,8 @@ class BwdConfig(_WarpSpecialized):
                                     or self.dq_warpgroups != self.num_mma_warpgroups):
             raise ValueError("ds_stages 2 takes num_stages 2, the sdQ tile (no dq_atomic, no split_d) "
                              "and every warpgroup on dQ")
+        if self.dq_handoff_per_wg and (self.ds_stages != 2 or self.num_mma_warpgroups != 2):
+            raise ValueError("dq_handoff_per_wg takes ds_stages 2 and two consumer warpgroups")
 
 
 def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:

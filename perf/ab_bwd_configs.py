@@ -15,6 +15,8 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     ds1      the default with one sdS buffer (BwdConfig.ds_stages; head dims <= 128)
     ds2      the default with two sdS buffers
     dplate   the default with the dP^T wait pinned below P^T's exp2s (dp_wait_after_exp2)
+    dqwg     two sdS buffers and the per-warpgroup dQ hand-off (dq_handoff_per_wg; 64 / 128)
+    copy     the default itself, timed again: the run's noise floor
 (dK after dQ and LSE2 / D in registers, measured in session 19, lost: perf/NOTES.md)
 """
 import contextlib
@@ -36,6 +38,9 @@ VARIANTS = {  # (head dim, features) -> a forced config, or None where it does n
     "ds2": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2)
                          if d <= 128 and d != 96 else None),  # 96: one dQ warpgroup, no second sdS
     "dplate": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dp_wait_after_exp2=True),
+    "dqwg": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2, dq_handoff_per_wg=True)
+                          if d in (64, 128) else None),
+    "copy": lambda d, f: config.bwd_config_for(d, f),
 }
 
 

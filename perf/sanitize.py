@@ -189,6 +189,10 @@ CASES = (
     # causal GQA with a group of query heads
     Case("bwd-ds2-causal-gqa", batch=2, seqlen_q=700, seqlen_k=700, nheads=8, nheads_kv=2, causal=True,
          extra={"config": "ds2"}),
+    # BwdConfig.dq_handoff_per_wg: a barrier pair per warpgroup between the consumers and
+    # the dQ writer, and the two halves of sdQ reduced one after the other
+    Case("bwd-dq-per-wg-causal-gqa", batch=2, seqlen_q=700, seqlen_k=700, nheads=8, nheads_kv=2, causal=True,
+         extra={"config": "dq_per_wg"}),
     Case("bwd-ds2-hd64-deterministic", head_dim=64, seqlen_q=500, seqlen_k=600, nheads=4, nheads_kv=4,
          deterministic=True),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
@@ -358,6 +362,9 @@ def force_config(name):
     elif name == "ds2":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2)
+    elif name == "dq_per_wg":
+        launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
+            config.bwd_config_for(*a, **kw), ds_stages=2, dq_handoff_per_wg=True)
     elif name == "round_robin":
         tuning.with_persistent_grid = lambda *a, **kw: dataclasses.replace(
             config.with_persistent_grid(*a, **kw), tile_queue=False)

@@ -656,6 +656,30 @@ def test_split_d_deterministic_backward_keeps_the_ordered_reduce():
         assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
 
 
+def test_dq_handoff_per_wg_backward_meets_the_writer_per_warpgroup():
+    """BwdConfig.dq_handoff_per_wg: the dQ writer and each consumer warpgroup meet on
+    barriers of 128 + 32 threads (warpgroup 0 on DQ_FULL / DQ_EMPTY, 1 on their _WG1
+    twins), never on the joint 288-thread pair; spill-free. It needs two sdS buffers."""
+    import dataclasses
+
+    from cute_attn.blocks.barriers import NamedBarrier
+    from cute_attn.config import BwdConfig
+
+    features = AttnFeatures(mask="causal")
+    config = dataclasses.replace(bwd_config_for(128, features), ds_stages=2, dq_handoff_per_wg=True)
+    main = ptx_tool.compile_bwd_artifacts("bf16", 128, features, config)["main"]
+    # the writer names both pairs; the consumers take theirs by warpgroup, an id in a register
+    for barrier in (NamedBarrier.DQ_FULL_WG1, NamedBarrier.DQ_EMPTY_WG1):
+        assert re.search(rf"bar\.(sync|arrive)\s+{int(barrier)}, 160;", main.ptx), barrier
+    assert re.search(r"bar\.sync\s+%r\d+, 160;", main.ptx) and re.search(r"bar\.arrive\s+%r\d+, 160;", main.ptx)
+    assert ", 288;" not in main.ptx
+    if "ptxas not found" not in main.ptxas_report:
+        m = re.search(r"(\d+) bytes spill stores", main.ptxas_report)
+        assert m and int(m.group(1)) == 0, main.ptxas_report
+    with pytest.raises(ValueError, match="dq_handoff_per_wg"):
+        BwdConfig(tile_m=64, tile_n=128, num_stages=2, ds_stages=1, dq_handoff_per_wg=True)
+
+
 def test_split_d_config_is_validated():
     from cute_attn.config import BwdConfig, split_d_bwd_config
     from cute_attn.kernels.bwd_sm90 import FlashBwdSm90

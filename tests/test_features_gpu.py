@@ -259,6 +259,38 @@ def test_split_d_backward(case, dq_path, monkeypatch):
         check_grads(case, q, k, v, cu, dout, g1)
 
 
+# BwdConfig.dq_handoff_per_wg: each warpgroup hands its half of sdQ to the dQ writer on a
+# barrier pair of its own; head dims 64 (warpgroups split the queries) and 128 (the head
+# dim), causal or not, GQA (a KV tile walks the group's heads), varlen, lengths off the tile
+DQ_PER_WG_CASES = [
+    Case(d=128, h=4, h_kv=4, sq=1000, sk=1000),
+    Case(d=128, h=8, h_kv=2, causal=True, sq=777, sk=1000),
+    Case(d=64, h=4, h_kv=4, sq=1000, sk=555),
+    Case(d=64, h=8, h_kv=2, causal=True, sq=1000, sk=1000),
+    Case(d=128, h=4, h_kv=2, causal=True, lens_q=(40, 300, 129), lens_k=(40, 300, 129)),
+]
+
+
+@pytest.mark.parametrize("case", DQ_PER_WG_CASES, ids=str)
+def test_dq_handoff_per_warpgroup_backward(case, monkeypatch):
+    """The backward with BwdConfig.dq_handoff_per_wg forced (with its two sdS buffers): the
+    accuracy rule of every backward test. The deterministic backward keeps the joint
+    hand-off (it orders whole chunks), so it is not forced there."""
+    import dataclasses
+
+    from cute_attn import config, launcher
+
+    real = config.bwd_config_for
+
+    def per_wg(head_dim, features, deterministic=False):
+        base = real(head_dim, features, deterministic)
+        return base if deterministic else dataclasses.replace(base, ds_stages=2, dq_handoff_per_wg=True)
+
+    monkeypatch.setattr(launcher, "bwd_config_for", per_wg)
+    q, k, v, dout, cu = make_inputs(case, seed=5)
+    check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
+
+
 # Persistent forward grids (config.FwdConfig.persistent_ctas): a few CTAs walking many
 # tiles each, so every ring (Q, K, V) and the ping-pong turns run on across tiles; tiles
 # with no visible key (sq > sk, causal) sit between tiles with keys.

@@ -28,3 +28,7 @@ class NamedBarrier(enum.IntEnum):
     # overwrite (the consumers arrive, the producer waits)
     TILE_SLOT_FREE_0 = 11
     TILE_SLOT_FREE_1 = 12
+    # backward with BwdConfig.dq_handoff_per_wg: warpgroup 1's own DQ_FULL / DQ_EMPTY
+    # (warpgroup 0 takes DQ_FULL / DQ_EMPTY themselves, with 128 + 32 threads each)
+    DQ_FULL_WG1 = 13
+    DQ_EMPTY_WG1 = 14

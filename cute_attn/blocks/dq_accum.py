@@ -37,11 +37,13 @@ def make_dq_mma(dtype, head_dim: int, num_warpgroups: int, tile_m: int) -> cute.
     )
 
 
-def offset(i: int, tidx, num_threads: int):
-    """Where accumulator register i of thread tidx lives in a chunk: pairs of registers
-    (adjacent columns) are interleaved across threads, so a warp's 8-byte stores fill 256
-    contiguous bytes."""
-    return (i // 2) * (2 * num_threads) + tidx * 2 + (i % 2)
+def offset(i: int, tidx, regs: int):
+    """Where accumulator register i (of `regs` per thread) of thread tidx lives in a chunk:
+    each warpgroup's registers fill 128 * regs contiguous floats (so a warpgroup's part of
+    sdQ can go to dQ_accum alone, BwdConfig.dq_handoff_per_wg), and within them pairs of
+    registers (adjacent columns) are interleaved across the warpgroup's threads, so a
+    warp's 8-byte stores fill 256 contiguous bytes."""
+    return (tidx // 128) * (128 * regs) + (i // 2) * 256 + (tidx % 128) * 2 + (i % 2)
 
 
 def chunk_index(padded_m_block_offset, m_block):
@@ -65,9 +67,9 @@ def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=Non
 
 
 @cute.jit
-def add_from_registers(acc: cute.Tensor, chunk: cute.Tensor, tidx, num_threads: cutlass.Constexpr[int]):
+def add_from_registers(acc: cute.Tensor, chunk: cute.Tensor, tidx):
     """chunk += this thread's dQ accumulator fragment, in the chunk's register order
     (`offset`): each register pair is one 8-byte vector atomic, and a warp's pairs cover
     256 contiguous bytes, so the reductions coalesce like the sdQ stores they replace."""
     for i in cutlass.range_constexpr(0, cute.size(acc), 2):
-        red_add_f32x2(chunk.iterator + offset(i, tidx, num_threads), acc[i], acc[i + 1])
+        red_add_f32x2(chunk.iterator + offset(i, tidx, cute.size(acc)), acc[i], acc[i + 1])

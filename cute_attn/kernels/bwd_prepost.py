@@ -153,7 +153,7 @@ class BwdPostprocess:
                 tiled_mma_dq.get_slice(tidx).partition_shape_C((self.tile_m, self.head_dim)), Float32
             )
             for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = mdQaccum[seqlen.batch, head, base + dq_accum.offset(i, tidx, self.num_threads)]
+                acc[i] = mdQaccum[seqlen.batch, head, base + dq_accum.offset(i, tidx, cute.size(acc))]
             # then out like the forward's O: scaled, converted, stmatrix to shared memory,
             # and 16-byte row stores (2-byte scattered stores from the fragment ran at a
             # fifth of the memory bandwidth: 315 us for 200 MB on an H100)

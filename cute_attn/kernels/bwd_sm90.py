@@ -35,7 +35,9 @@ Barrier protocol per query block (named barriers, see blocks/barriers.py):
   With two sdS buffers (BwdConfig.ds_stages, indexed by Q's stage) the consumers write
   dS^T without the DQ_EMPTY wait (the buffer's last reader, the dQ two steps back, has
   completed in every warpgroup before the DS_READY in between) and wait there just before
-  the sdQ stores.
+  the sdQ stores. With BwdConfig.dq_handoff_per_wg on top, each warpgroup waits and arrives
+  on a DQ_EMPTY / DQ_FULL pair of its own (128 + 32 threads), and the writer reduce-adds
+  the two halves of sdQ one after the other (dq_accum's chunk is warpgroup-major).
 dQ_accum is laid out per query tile in the order of the dQ WGMMA's accumulator fragments
 (blocks/dq_accum.py), so each thread's stores to sdQ are conflict-free and the reduce is
 one contiguous chunk; the postprocess undoes the permutation.
@@ -197,6 +199,13 @@ class StepOperands(NamedTuple):
     tdKrdS: object = None
 
 
+def dq_barrier(joint: NamedBarrier, wg):
+    """BwdConfig.dq_handoff_per_wg: warpgroup wg's DQ_FULL or DQ_EMPTY (given the joint
+    one): warpgroup 0 takes the joint id, warpgroup 1 its _WG1 twin (128 + 32 threads)."""
+    assert NamedBarrier.DQ_FULL_WG1 - NamedBarrier.DQ_FULL == NamedBarrier.DQ_EMPTY_WG1 - NamedBarrier.DQ_EMPTY
+    return int(joint) + wg * int(NamedBarrier.DQ_FULL_WG1 - NamedBarrier.DQ_FULL)
+
+
 class FlashBwdSm90:
     def __init__(
         self, dtypes: DtypePolicy, head_dim: int, features: AttnFeatures, config: BwdConfig,
@@ -223,6 +232,9 @@ class FlashBwdSm90:
         self.split_d = config.split_d  # see BwdConfig.split_d
         self.ds_stages = config.ds_stages  # see BwdConfig.ds_stages
         self.dp_wait_after_exp2 = config.dp_wait_after_exp2  # see BwdConfig.dp_wait_after_exp2
+        self.dq_handoff_per_wg = config.dq_handoff_per_wg  # see BwdConfig.dq_handoff_per_wg
+        if self.dq_handoff_per_wg and deterministic:
+            raise ValueError("the deterministic backward orders whole dQ chunks: no dq_handoff_per_wg")
         # one CTA per (KV block, KV head, batch). n_block 0 sees the most
         # query blocks under a causal mask, and grid order already launches it first.
         self.scheduler = TileScheduler(self.tile_n, features.varlen)
@@ -493,7 +505,11 @@ class FlashBwdSm90:
             total += count
         if total > 0:
             # sdQ (and sdS) start out free
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
+            if cutlass.const_expr(self.dq_handoff_per_wg):
+                for w in cutlass.range_constexpr(2):
+                    cute.arch.barrier_arrive(barrier_id=dq_barrier(NamedBarrier.DQ_EMPTY, w), number_of_threads=160)
+            else:
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
         # the consumers' order: every query block of the group's first head, then the next
         done = Int32(0)
         for i in cutlass.range(group, unroll=1):
@@ -501,36 +517,63 @@ class FlashBwdSm90:
             blocks, m_first, count = self.q_blocks(g, tile, head, block_range, seqlen)
             for j in cutlass.range(count, unroll=1):
                 m_block = self.q_block(blocks, m_first, j)
-                cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
                 tile_idx = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block)
                 gdQaccum = cute.local_tile(g.dq_accum[None, head, seqlen.batch], (chunk,), (None,))
-                if lane == 0:
-                    if self.in_sequence(m_block, seqlen):
-                        if cutlass.const_expr(self.deterministic):
-                            # KV blocks add into a dQ tile in increasing n_block order; the ones
-                            # that visit a query block are a contiguous range from the forward's
-                            # n_block_min (0 unless a sliding window bounds the left side), or
-                            # with a mask mod the ones its block mask lists (their count below
-                            # n_block: the transposed mask's dq_turn)
-                            turn_ptr = g.dq_semaphore[None, head, seqlen.batch].iterator + tile_idx
-                            if cutlass.const_expr(blocks is not None):
-                                turn = g.sparse[4][tile.batch, head, n_block, m_block]
-                            else:
-                                first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
-                                turn = n_block - first_n_block
-                            semaphore.wait_turn(turn_ptr, turn)
-                        bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
-                        cute.arch.cp_async_bulk_commit_group()
-                        if cutlass.const_expr(self.deterministic):
-                            cute.arch.cp_async_bulk_wait_group(0, read=False)
-                            semaphore.pass_turn(turn_ptr)
-                        else:
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(self.dq_handoff_per_wg):
+                    # each warpgroup's half (dq_accum.offset is warpgroup-major) as it comes
+                    half = chunk // 2
+                    for w in cutlass.range_constexpr(2):
+                        cute.arch.barrier(barrier_id=dq_barrier(NamedBarrier.DQ_FULL, w), number_of_threads=160)
+                        if lane == 0:
+                            if self.in_sequence(m_block, seqlen):
+                                bulk_reduce_add_f32(sdQ.iterator + w * half,
+                                                    gdQaccum[None, tile_idx].iterator + w * half, half * 4)
+                                cute.arch.cp_async_bulk_commit_group()
+                                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        if done + 1 < total:
+                            cute.arch.barrier_arrive(barrier_id=dq_barrier(NamedBarrier.DQ_EMPTY, w),
+                                                     number_of_threads=160)
+                else:
+                    self.reduce_chunk(g, sdQ, gdQaccum, tile, head, blocks, block_range, seqlen, m_block, tile_idx,
+                                      lane, barrier_threads)
                 done += 1
-                if done < total:
-                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
+                if cutlass.const_expr(not self.dq_handoff_per_wg):
+                    if done < total:
+                        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def reduce_chunk(self, g: BwdGlobals, sdQ, gdQaccum, tile: WorkTile, head, blocks, block_range: BlockRange,
+                     seqlen: SeqlenInfo, m_block, tile_idx, lane, barrier_threads: cutlass.Constexpr[int]):
+        """The joint hand-off: once both warpgroups have stored their dQ (DQ_FULL), lane 0
+        reduce-adds the whole sdQ tile into the query block's dQ_accum chunk (with the
+        deterministic backward, in its KV block's turn)."""
+        n_block = tile.block
+        chunk = self.tile_m * self.head_dim
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+        if lane == 0:
+            if self.in_sequence(m_block, seqlen):
+                if cutlass.const_expr(self.deterministic):
+                    # KV blocks add into a dQ tile in increasing n_block order; the ones
+                    # that visit a query block are a contiguous range from the forward's
+                    # n_block_min (0 unless a sliding window bounds the left side), or
+                    # with a mask mod the ones its block mask lists (their count below
+                    # n_block: the transposed mask's dq_turn)
+                    turn_ptr = g.dq_semaphore[None, head, seqlen.batch].iterator + tile_idx
+                    if cutlass.const_expr(blocks is not None):
+                        turn = g.sparse[4][tile.batch, head, n_block, m_block]
+                    else:
+                        first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
+                        turn = n_block - first_n_block
+                    semaphore.wait_turn(turn_ptr, turn)
+                bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                if cutlass.const_expr(self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    semaphore.pass_turn(turn_ptr)
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------------------------
     # Consumers: the five GEMMs, P and dS in registers, dK/dV epilogue
@@ -778,15 +821,18 @@ class FlashBwdSm90:
             else:
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
             if cutlass.const_expr(self.ds_stages > 1):
-                self.wait_ds_free(barrier_threads)  # only sdQ to wait for now
+                if cutlass.const_expr(self.dq_handoff_per_wg):
+                    # only this warpgroup's half of sdQ to wait for
+                    cute.arch.barrier(barrier_id=dq_barrier(NamedBarrier.DQ_EMPTY, wg_idx), number_of_threads=160)
+                else:
+                    self.wait_ds_free(barrier_threads)  # only sdQ to wait for now
             if cutlass.const_expr(self.dq_atomic):
                 chunks, chunk0, seqlen = dq_dest
                 if self.in_sequence(m_block, seqlen):
-                    dq_accum.add_from_registers(acc_dQ, chunks[None, chunk0 + m_block], tidx,
-                                                self.num_dq_threads)
+                    dq_accum.add_from_registers(acc_dQ, chunks[None, chunk0 + m_block], tidx)
             else:
                 for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                    smem.dq[dq_accum.offset(i, tidx, self.num_dq_threads)] = acc_dQ[i]
+                    smem.dq[dq_accum.offset(i, tidx, cute.size(acc_dQ))] = acc_dQ[i]
                 cute.arch.fence_view_async_shared()
             if cutlass.const_expr(self.split_d):
                 # dK's WGMMA reads this stage's Q and sdS: done before the stage
@@ -798,7 +844,9 @@ class FlashBwdSm90:
         # every WGMMA reading this stage's Q and dO has completed, and this thread's loads
         # of its LSE2 and D are done (release_after_loads says why it syncs the warp)
         release_after_loads(state, pipes.q, pipes.do)
-        if cutlass.const_expr(not self.dq_atomic):
+        if cutlass.const_expr(self.dq_handoff_per_wg):
+            cute.arch.barrier_arrive(barrier_id=dq_barrier(NamedBarrier.DQ_FULL, wg_idx), number_of_threads=160)
+        elif cutlass.const_expr(not self.dq_atomic):
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
 
     @cute.jit
