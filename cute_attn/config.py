@@ -714,7 +714,16 @@ def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:
     return BwdConfig(tile_m=64, tile_n=64, num_stages=stages, dq_warpgroups=2, split_d=True, dq_atomic=dq_atomic)
 
 
-def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = False) -> BwdConfig:
+# Query rows from which the backward hands dQ to its writer per warpgroup
+# (BwdConfig.dq_handoff_per_wg). H200, session 28, two A/B runs (perf/ab_bwd_configs.py 5
+# ... dqwg,copy; 16K tokens): +1..+5% at 4K-16K queries for head dims 64 and 128, causal
+# or not; at 1K -1..-6% (2K mixed, -1..+3%), where a CTA has few steps to hide the
+# writer's two serial half-reduces after the last one.
+DQ_HANDOFF_PER_WG_FROM_QUERIES = 4096
+
+
+def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = False,
+                   max_seqlen_q: int = 0) -> BwdConfig:
     """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages. At head dim
     96 one warpgroup computes dQ: a 48-column half would straddle the 32-column swizzle
     atoms of the 96-wide K tile, which WGMMA's B operand cannot address. At head dim 64
@@ -730,9 +739,18 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     +1-3%; at 128 causal they measured -1 to +1%, so not there, nor where no one
     measured them (96, the window, softcap, mods, dropout, a sink: the sink's backward is
     the mods' kernel). Varlen and the deterministic backward take them (the same mainloop;
-    GPU-tested and sanitized, not timed apart)."""
+    GPU-tested and sanitized, not timed apart).
+
+    From DQ_HANDOFF_PER_WG_FROM_QUERIES query rows (max_seqlen_q; 0: unknown, short), head
+    dims 64 and 128 in those same plain cases hand dQ over per warpgroup, with two sdS
+    buffers (at 128 causal too); never deterministic (its turns order whole dQ chunks)."""
     plain = not (features.local or features.softcap or features.has_mods or features.dropout)
     sds_buffers = 2 if plain and not features.sink else 1
+    per_wg = (head_dim in (64, 128) and sds_buffers == 2 and not deterministic
+              and max_seqlen_q >= DQ_HANDOFF_PER_WG_FROM_QUERIES)
+    if per_wg:
+        return dataclasses.replace(bwd_config_for(head_dim, features, deterministic), ds_stages=2,
+                                   dq_handoff_per_wg=True)
     if head_dim <= 64 and plain:
         return BwdConfig(tile_m=128, tile_n=128, num_stages=2, ds_stages=sds_buffers if head_dim == 64 else 1)
     if head_dim > 128:

@@ -1267,7 +1267,8 @@ def run_bwd(
         features = dataclasses.replace(features, sink=False)
     lse_in = lse
     if config is None:
-        config = bwd_config_for(head_dim, features, bool(deterministic))
+        queries = args.max_seqlen_q if features.varlen else q.shape[1]
+        config = bwd_config_for(head_dim, features, bool(deterministic), queries)
     pre, main, post = get_bwd_kernels(
         BwdKey(DTYPE_OF_INPUT[q.dtype].name, head_dim, features, config, bool(deterministic))
     )

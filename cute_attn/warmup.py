@@ -23,8 +23,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from cute_attn.config import (CAPABILITIES, ONE_TILE_PER_CTA_FROM_KEYS, AttnFeatures, bwd_config_for,
-                              cluster_splits_fit, split_config, split_decode_config, unsplit_decode_config)
+from cute_attn.config import (CAPABILITIES, DQ_HANDOFF_PER_WG_FROM_QUERIES, ONE_TILE_PER_CTA_FROM_KEYS,
+                              AttnFeatures, bwd_config_for, cluster_splits_fit, split_config, split_decode_config,
+                              unsplit_decode_config)
 from cute_attn.tuning import default_fwd_config
 
 # What a plain training or inference job calls: bf16, the two most used head dims,
@@ -88,7 +89,10 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
                 if decode is not config:
                     jobs.append(Job("fwd", FwdKey(dtype, d, features, decode)))
         if backward and d in CAPABILITIES["bwd"].head_dims:
-            jobs.append(Job("bwd", BwdKey(dtype, d, features, bwd_config_for(d, features))))
+            # short and long queries (config.DQ_HANDOFF_PER_WG_FROM_QUERIES)
+            configs = (bwd_config_for(d, features),
+                       bwd_config_for(d, features, max_seqlen_q=DQ_HANDOFF_PER_WG_FROM_QUERIES))
+            jobs += [Job("bwd", BwdKey(dtype, d, features, c)) for c in dict.fromkeys(configs)]
     return jobs
 
 

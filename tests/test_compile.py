@@ -736,6 +736,27 @@ def test_backward_takes_two_sds_buffers_where_measured():
     assert bwd_config_for(64, AttnFeatures(mask="none"), deterministic=True).ds_stages == 2
 
 
+def test_backward_hands_dq_over_per_warpgroup_from_long_queries():
+    """bwd_config_for's dq_handoff_per_wg exactly where the session-28 A/Bs measured a gain:
+    head dims 64 and 128, plain masks, not deterministic, from 4K query rows (not at 1K);
+    it then takes two sdS buffers (128 causal too) and otherwise the short config's tiles."""
+    import dataclasses
+
+    from cute_attn.config import DQ_HANDOFF_PER_WG_FROM_QUERIES as long
+
+    for d in (64, 96, 128, 256):
+        for mask in ("none", "causal", "local"):
+            short = bwd_config_for(d, AttnFeatures(mask=mask), max_seqlen_q=long - 1)
+            assert short == bwd_config_for(d, AttnFeatures(mask=mask)) and not short.dq_handoff_per_wg
+            cfg = bwd_config_for(d, AttnFeatures(mask=mask), max_seqlen_q=long)
+            assert cfg.dq_handoff_per_wg == (d in (64, 128) and mask != "local"), (d, mask)
+            if cfg.dq_handoff_per_wg:
+                assert cfg == dataclasses.replace(short, ds_stages=2, dq_handoff_per_wg=True)
+    for features in (AttnFeatures(softcap=30.0), AttnFeatures(dropout=True), AttnFeatures(sink=True)):
+        assert not bwd_config_for(128, features, max_seqlen_q=long).dq_handoff_per_wg
+    assert not bwd_config_for(128, AttnFeatures(), deterministic=True, max_seqlen_q=long).dq_handoff_per_wg
+
+
 @pytest.mark.parametrize("head_dim, mask", [(64, "none"), (128, "causal")])
 def test_backward_with_two_sds_buffers_compiles_without_spills(head_dim, mask):
     """BwdConfig.ds_stages 2: spill-free, and one DQ_EMPTY barrier per step as with one

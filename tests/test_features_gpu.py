@@ -246,8 +246,8 @@ def test_split_d_backward(case, dq_path, monkeypatch):
     default = config.bwd_config_for(case.d, config.AttnFeatures())
     assert default.split_d and default.dq_atomic == (case.d == 256)
     monkeypatch.setattr(launcher, "bwd_config_for",
-                        lambda head_dim, features, deterministic=False: config.bwd_config_for(head_dim, features, True)
-                        if deterministic else forced)
+                        lambda head_dim, features, deterministic=False, max_seqlen_q=0:
+                        config.bwd_config_for(head_dim, features, True) if deterministic else forced)
     q, k, v, dout, cu = make_inputs(case, seed=3)
     if case.softcap:
         assert_cap_bites(case, q, k)
@@ -282,13 +282,35 @@ def test_dq_handoff_per_warpgroup_backward(case, monkeypatch):
 
     real = config.bwd_config_for
 
-    def per_wg(head_dim, features, deterministic=False):
+    def per_wg(head_dim, features, deterministic=False, max_seqlen_q=0):
         base = real(head_dim, features, deterministic)
         return base if deterministic else dataclasses.replace(base, ds_stages=2, dq_handoff_per_wg=True)
 
     monkeypatch.setattr(launcher, "bwd_config_for", per_wg)
     q, k, v, dout, cu = make_inputs(case, seed=5)
     check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
+
+
+@pytest.mark.parametrize("case", [Case(d=128, h=2, h_kv=1, causal=True, sq=4096 + 77, sk=4096 + 77),
+                                  Case(d=64, h=2, h_kv=2, sq=4096 + 77, sk=1000),
+                                  Case(d=128, h=4, h_kv=2, lens_q=(300, 4096 + 77), lens_k=(900, 4096 + 77))],
+                         ids=str)
+def test_long_queries_take_the_per_warpgroup_dq_handoff(case, monkeypatch):
+    """From config.DQ_HANDOFF_PER_WG_FROM_QUERIES query rows the default backward hands dQ
+    over per warpgroup (the launcher passes the query length): the config it chose, and
+    the accuracy rule of every backward test."""
+    from cute_attn import config, launcher
+
+    chosen = []
+
+    def recording(*a, **kw):
+        chosen.append(config.bwd_config_for(*a, **kw))
+        return chosen[-1]
+
+    monkeypatch.setattr(launcher, "bwd_config_for", recording)
+    q, k, v, dout, cu = make_inputs(case, seed=11)
+    check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
+    assert chosen and all(c.dq_handoff_per_wg for c in chosen), chosen
 
 
 # Persistent forward grids (config.FwdConfig.persistent_ctas): a few CTAs walking many
