@@ -8,19 +8,23 @@ import sys
 import pytest
 
 from cute_attn import warmup
-from cute_attn.config import AttnFeatures, bwd_config_for, fwd_config_for
+from cute_attn.config import DQ_HANDOFF_PER_WG_FROM_QUERIES, AttnFeatures, bwd_config_for, fwd_config_for
 from cute_attn.launcher import BwdKey, FwdKey
 
 
 def test_default_plan_is_the_launchers_keys():
     jobs = warmup.plan()
-    assert len(jobs) == 16  # 2 head dims x 2 masks x dense/varlen x fwd/bwd
+    # 2 head dims x 2 masks x dense/varlen x (fwd, bwd for short and for long queries)
+    assert len(jobs) == 24
+    long = DQ_HANDOFF_PER_WG_FROM_QUERIES
     for job in jobs:
         f = job.key.features
         if job.family == "fwd":
             assert job.key == FwdKey("bf16", job.key.head_dim, f, fwd_config_for(job.key.head_dim, f))
         else:
-            assert job.key == BwdKey("bf16", job.key.head_dim, f, bwd_config_for(job.key.head_dim, f))
+            assert job.key in [BwdKey("bf16", job.key.head_dim, f, bwd_config_for(job.key.head_dim, f, max_seqlen_q=s))
+                               for s in (0, long)]
+    assert sum(j.family == "bwd" and j.key.config.dq_handoff_per_wg for j in jobs) == 8
     assert {(j.key.head_dim, j.key.features.mask, j.key.features.varlen) for j in jobs} == {
         (d, m, var) for d in (64, 128) for m in ("none", "causal") for var in (False, True)}
 
@@ -38,7 +42,9 @@ def test_cli_list_prints_the_plan():
                              "--no-varlen"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 2 and lines[0].startswith("fwd FwdKey(") and lines[1].startswith("bwd BwdKey(")
+    # the backward for short queries and for long ones (config.DQ_HANDOFF_PER_WG_FROM_QUERIES)
+    assert len(lines) == 3 and lines[0].startswith("fwd FwdKey(")
+    assert all(line.startswith("bwd BwdKey(") for line in lines[1:])
 
 
 def test_disabled_cache_is_an_error(monkeypatch):
