@@ -737,13 +737,18 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     Two sdS buffers (ds_stages) where they were measured to help (H200, 1K-16K, session
     19): head dim 64's 128-row tiles +0-4% (causal or not), head dim 128 without a mask
     +1-3%; at 128 causal they measured -1 to +1%, so not there, nor where no one
-    measured them (96, the window, softcap, mods, dropout, a sink: the sink's backward is
-    the mods' kernel). Varlen and the deterministic backward take them (the same mainloop;
-    GPU-tested and sanitized, not timed apart).
+    measured them (96, the window, softcap, mods, dropout). A sink never reaches this
+    function from the launcher: run_bwd drops it from the features (it enters only through
+    the forward's lse), so a sink's backward takes the sink-free config. Varlen and the
+    deterministic backward take them (the same mainloop; GPU-tested and sanitized, not
+    timed apart).
 
     From DQ_HANDOFF_PER_WG_FROM_QUERIES query rows (max_seqlen_q; 0: unknown, short), head
     dims 64 and 128 in those same plain cases hand dQ over per warpgroup, with two sdS
-    buffers (at 128 causal too); never deterministic (its turns order whole dQ chunks)."""
+    buffers (at 128 causal too); never deterministic (its turns order whole dQ chunks).
+    Varlen passes its max_seqlen_q, a bound the caller chooses: a packed batch of short
+    documents with a large bound takes the long-query config (correct, up to a few percent
+    slower where the sequences are short)."""
     plain = not (features.local or features.softcap or features.has_mods or features.dropout)
     sds_buffers = 2 if plain and not features.sink else 1
     per_wg = (head_dim in (64, 128) and sds_buffers == 2 and not deterministic

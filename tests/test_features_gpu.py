@@ -293,6 +293,7 @@ def test_dq_handoff_per_warpgroup_backward(case, monkeypatch):
 
 @pytest.mark.parametrize("case", [Case(d=128, h=2, h_kv=1, causal=True, sq=4096 + 77, sk=4096 + 77),
                                   Case(d=64, h=2, h_kv=2, sq=4096 + 77, sk=1000),
+                                  Case(FP16, 128, h=2, h_kv=1, sq=4096 + 77, sk=2000),
                                   Case(d=128, h=4, h_kv=2, lens_q=(300, 4096 + 77), lens_k=(900, 4096 + 77))],
                          ids=str)
 def test_long_queries_take_the_per_warpgroup_dq_handoff(case, monkeypatch):
