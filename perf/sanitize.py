@@ -349,11 +349,18 @@ def force_config(name):
     defaults back, so a child that runs several cases forces nothing on the later ones."""
     import dataclasses
 
-    from cute_attn import config, launcher, tuning
+    from cute_attn import api, config, kvcache, launcher, tuning
 
     for module, attr in ((launcher, "fp8_with_persistent_grid"), (launcher, "fp8_fwd_config_for"),
                          (launcher, "bwd_config_for"), (tuning, "with_persistent_grid")):
         setattr(module, attr, _DEFAULT_CHOICES.setdefault((module, attr), getattr(module, attr)))
+    # the caches that remember a choice: an earlier case of this child with the same key
+    # (launcher._default_configs: dtype, head dim, features, pack, ...) would else answer
+    # without asking tuning.with_persistent_grid, so a forced choice never ran (a review
+    # found it on a branch: persistent-queue-causal before a forced case in one child),
+    # and a forced one would outlive its case
+    for cache in (launcher._default_configs, launcher._plans, api._plain_calls, kvcache._decode_steps):
+        cache.clear()
     if name == "p_double_buffer":
         # one tile per CTA: the persistent FP8 grid has one P buffer
         launcher.fp8_with_persistent_grid = lambda cfg, *a: cfg
