@@ -199,11 +199,13 @@ class StepOperands(NamedTuple):
     tdKrdS: object = None
 
 
-def dq_barrier(joint: NamedBarrier, wg):
-    """BwdConfig.dq_handoff_per_wg: warpgroup wg's DQ_FULL or DQ_EMPTY (given the joint
-    one): warpgroup 0 takes the joint id, warpgroup 1 its _WG1 twin (128 + 32 threads)."""
-    assert NamedBarrier.DQ_FULL_WG1 - NamedBarrier.DQ_FULL == NamedBarrier.DQ_EMPTY_WG1 - NamedBarrier.DQ_EMPTY
-    return int(joint) + wg * int(NamedBarrier.DQ_FULL_WG1 - NamedBarrier.DQ_FULL)
+class DqHandoff(NamedTuple):
+    """One part of sdQ handed from the consumers to the dQ writer: its DQ_FULL and DQ_EMPTY
+    barrier ids and the threads that meet on them."""
+
+    full: object  # an int, or an Int32 where the part is the run-time warpgroup index
+    empty: object
+    threads: int
 
 
 class FlashBwdSm90:
@@ -493,11 +495,26 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------
     # dQ writer warp: adds each query block's dQ tile into dQ_accum
     # ------------------------------------------------------------------------------------
+    @property
+    def dq_parts(self) -> int:
+        """The parts of sdQ handed over apart: one (all consumers with the writer), or with
+        BwdConfig.dq_handoff_per_wg one per warpgroup (dq_accum.offset is warpgroup-major)."""
+        return 2 if self.dq_handoff_per_wg else 1
+
+    def dq_handoff(self, part) -> DqHandoff:
+        """The barriers of sdQ's part `part`: the joint DQ_FULL / DQ_EMPTY with every
+        consumer and the writer, or warpgroup `part`'s pair (0: the joint ids, 1: the _WG1
+        twins) with its 128 threads and the writer's 32."""
+        if not self.dq_handoff_per_wg:
+            return DqHandoff(int(NamedBarrier.DQ_FULL), int(NamedBarrier.DQ_EMPTY), self.num_mma_threads + 32)
+        step = int(NamedBarrier.DQ_FULL_WG1 - NamedBarrier.DQ_FULL)
+        assert step == NamedBarrier.DQ_EMPTY_WG1 - NamedBarrier.DQ_EMPTY
+        return DqHandoff(int(NamedBarrier.DQ_FULL) + part * step, int(NamedBarrier.DQ_EMPTY) + part * step, 160)
+
     @cute.jit
     def write_dq(self, g: BwdGlobals, sdQ, tile: WorkTile, group, block_range: BlockRange, seqlen: SeqlenInfo):
         n_block, head_kv = tile.block, tile.head
         chunk = self.tile_m * self.head_dim
-        barrier_threads = self.num_mma_threads + 32
         lane = cute.arch.lane_idx()
         total = Int32(0)
         for i in cutlass.range(group, unroll=1):
@@ -505,11 +522,9 @@ class FlashBwdSm90:
             total += count
         if total > 0:
             # sdQ (and sdS) start out free
-            if cutlass.const_expr(self.dq_handoff_per_wg):
-                for w in cutlass.range_constexpr(2):
-                    cute.arch.barrier_arrive(barrier_id=dq_barrier(NamedBarrier.DQ_EMPTY, w), number_of_threads=160)
-            else:
-                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
+            for w in cutlass.range_constexpr(self.dq_parts):
+                part = self.dq_handoff(w)
+                cute.arch.barrier_arrive(barrier_id=part.empty, number_of_threads=part.threads)
         # the consumers' order: every query block of the group's first head, then the next
         done = Int32(0)
         for i in cutlass.range(group, unroll=1):
@@ -519,39 +534,28 @@ class FlashBwdSm90:
                 m_block = self.q_block(blocks, m_first, j)
                 tile_idx = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block)
                 gdQaccum = cute.local_tile(g.dq_accum[None, head, seqlen.batch], (chunk,), (None,))
-                if cutlass.const_expr(self.dq_handoff_per_wg):
-                    # each warpgroup's half (dq_accum.offset is warpgroup-major) as it comes
-                    half = chunk // 2
-                    for w in cutlass.range_constexpr(2):
-                        cute.arch.barrier(barrier_id=dq_barrier(NamedBarrier.DQ_FULL, w), number_of_threads=160)
-                        if lane == 0:
-                            if self.in_sequence(m_block, seqlen):
-                                bulk_reduce_add_f32(sdQ.iterator + w * half,
-                                                    gdQaccum[None, tile_idx].iterator + w * half, half * 4)
-                                cute.arch.cp_async_bulk_commit_group()
-                                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        if done + 1 < total:
-                            cute.arch.barrier_arrive(barrier_id=dq_barrier(NamedBarrier.DQ_EMPTY, w),
-                                                     number_of_threads=160)
-                else:
+                # each part as it comes (per warpgroup: the halves one after the other)
+                for w in cutlass.range_constexpr(self.dq_parts):
                     self.reduce_chunk(g, sdQ, gdQaccum, tile, head, blocks, block_range, seqlen, m_block, tile_idx,
-                                      lane, barrier_threads)
+                                      lane, w)
+                    if done + 1 < total:
+                        part = self.dq_handoff(w)
+                        cute.arch.barrier_arrive(barrier_id=part.empty, number_of_threads=part.threads)
                 done += 1
-                if cutlass.const_expr(not self.dq_handoff_per_wg):
-                    if done < total:
-                        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def reduce_chunk(self, g: BwdGlobals, sdQ, gdQaccum, tile: WorkTile, head, blocks, block_range: BlockRange,
-                     seqlen: SeqlenInfo, m_block, tile_idx, lane, barrier_threads: cutlass.Constexpr[int]):
-        """The joint hand-off: once both warpgroups have stored their dQ (DQ_FULL), lane 0
-        reduce-adds the whole sdQ tile into the query block's dQ_accum chunk (with the
-        deterministic backward, in its KV block's turn)."""
+                     seqlen: SeqlenInfo, m_block, tile_idx, lane, w: cutlass.Constexpr[int]):
+        """Once part w of sdQ is stored (its DQ_FULL: the whole tile, or with the
+        per-warpgroup hand-off warpgroup w's half), lane 0 reduce-adds it into the same
+        part of the query block's dQ_accum chunk (with the deterministic backward, whose
+        sdQ is one part, in its KV block's turn)."""
         n_block = tile.block
-        chunk = self.tile_m * self.head_dim
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+        size = self.tile_m * self.head_dim // self.dq_parts
+        part = self.dq_handoff(w)
+        cute.arch.barrier(barrier_id=part.full, number_of_threads=part.threads)
         if lane == 0:
             if self.in_sequence(m_block, seqlen):
                 if cutlass.const_expr(self.deterministic):
@@ -567,7 +571,7 @@ class FlashBwdSm90:
                         first_n_block, _ = block_range.n_block_min_max(seqlen, m_block)
                         turn = n_block - first_n_block
                     semaphore.wait_turn(turn_ptr, turn)
-                bulk_reduce_add_f32(sdQ.iterator, gdQaccum[None, tile_idx].iterator, chunk * 4)
+                bulk_reduce_add_f32(sdQ.iterator + w * size, gdQaccum[None, tile_idx].iterator + w * size, size * 4)
                 cute.arch.cp_async_bulk_commit_group()
                 if cutlass.const_expr(self.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -787,10 +791,9 @@ class FlashBwdSm90:
         rdS = cute.make_rmem_tensor_like(acc_dP, self.p_dtype)
         rdS.store(acc_dP.load().to(self.p_dtype))
 
-        barrier_threads = self.num_mma_threads + 32
         if cutlass.const_expr(self.split_d):
             # P^T and dS^T to smem: every warpgroup's dV/dK needs all keys x all queries
-            self.wait_ds_free(barrier_threads)
+            self.wait_ds_free()
             epilogue.regs_to_smem(rP, smem.p, tiled_mma_sdp, tidx)
             epilogue.regs_to_smem(rdS, smem.ds, tiled_mma_sdp, tidx)
             cute.arch.fence_view_async_shared()
@@ -805,7 +808,7 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.ds_stages > 1):
                 sdS = smem.ds[None, None, stage]  # free: read by the dQ of two steps back
             else:
-                self.wait_ds_free(barrier_threads)
+                self.wait_ds_free()
             epilogue.regs_to_smem(rdS, sdS, tiled_mma_sdp, tidx)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
@@ -821,11 +824,9 @@ class FlashBwdSm90:
             else:
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
             if cutlass.const_expr(self.ds_stages > 1):
-                if cutlass.const_expr(self.dq_handoff_per_wg):
-                    # only this warpgroup's half of sdQ to wait for
-                    cute.arch.barrier(barrier_id=dq_barrier(NamedBarrier.DQ_EMPTY, wg_idx), number_of_threads=160)
-                else:
-                    self.wait_ds_free(barrier_threads)  # only sdQ to wait for now
+                # only sdQ (this warpgroup's part of it) to wait for now
+                own = self.dq_handoff(wg_idx if cutlass.const_expr(self.dq_handoff_per_wg) else 0)
+                cute.arch.barrier(barrier_id=own.empty, number_of_threads=own.threads)
             if cutlass.const_expr(self.dq_atomic):
                 chunks, chunk0, seqlen = dq_dest
                 if self.in_sequence(m_block, seqlen):
@@ -844,10 +845,9 @@ class FlashBwdSm90:
         # every WGMMA reading this stage's Q and dO has completed, and this thread's loads
         # of its LSE2 and D are done (release_after_loads says why it syncs the warp)
         release_after_loads(state, pipes.q, pipes.do)
-        if cutlass.const_expr(self.dq_handoff_per_wg):
-            cute.arch.barrier_arrive(barrier_id=dq_barrier(NamedBarrier.DQ_FULL, wg_idx), number_of_threads=160)
-        elif cutlass.const_expr(not self.dq_atomic):
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+        if cutlass.const_expr(not self.dq_atomic):
+            own = self.dq_handoff(wg_idx if cutlass.const_expr(self.dq_handoff_per_wg) else 0)
+            cute.arch.barrier_arrive(barrier_id=own.full, number_of_threads=own.threads)
 
     @cute.jit
     def in_sequence(self, m_block, seqlen: SeqlenInfo):
@@ -861,16 +861,18 @@ class FlashBwdSm90:
         return inside
 
     @cute.jit
-    def wait_ds_free(self, barrier_threads: cutlass.Constexpr[int]):
+    def wait_ds_free(self):
         """Before sdS (and sP) are rewritten: every warpgroup's WGMMAs of the previous step
         that read them have completed (each consumer waits on its own before arriving).
         The dQ writer's DQ_EMPTY also says sdQ is free again; with dQ atomics there is no
         sdQ and no writer, so the consumers meet among themselves. With two sdS buffers
-        (BwdConfig.ds_stages) it is called before the sdQ stores instead."""
+        (BwdConfig.ds_stages) the consumers wait on their sdQ part's DQ_EMPTY (dq_handoff)
+        before the sdQ stores instead."""
         if cutlass.const_expr(self.dq_atomic):
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_FREE), number_of_threads=self.num_mma_threads)
         else:
-            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY), number_of_threads=barrier_threads)
+            joint = self.dq_handoff(0)  # (one sdS buffer: never the per-warpgroup hand-off)
+            cute.arch.barrier(barrier_id=joint.empty, number_of_threads=joint.threads)
 
 
 class FlashBwdSm90Mods(FlashBwdSm90):
