@@ -17,6 +17,9 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     dplate   the default with the dP^T wait pinned below P^T's exp2s (dp_wait_after_exp2)
     dqwg     two sdS buffers and the per-warpgroup dQ hand-off (dq_handoff_per_wg; 64 / 128)
     copy     the default itself, timed again: the run's noise floor
+    m80      the default with 80 query rows per step and dQ^T = K^T dS^T (BwdConfig.dq_swapped;
+             head dim 128 without a mask, two sdS buffers like the default there)
+    m80ds1   the same with one sdS buffer
 (dK after dQ and LSE2 / D in registers, measured in session 19, lost: perf/NOTES.md)
 """
 import contextlib
@@ -41,6 +44,10 @@ VARIANTS = {  # (head dim, features) -> a forced config, or None where it does n
     "dqwg": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2, dq_handoff_per_wg=True)
                           if d in (64, 128) else None),
     "copy": lambda d, f: config.bwd_config_for(d, f),
+    "m80": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), tile_m=80, dq_swapped=True, ds_stages=2)
+                         if d == 128 and f.mask == "none" else None),
+    "m80ds1": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), tile_m=80, dq_swapped=True, ds_stages=1)
+                            if d == 128 and f.mask == "none" else None),
 }
 
 
