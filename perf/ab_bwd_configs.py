@@ -20,6 +20,7 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     m80      the default with 80 query rows per step and dQ^T = K^T dS^T (BwdConfig.dq_swapped;
              head dim 128 without a mask, two sdS buffers like the default there)
     m80ds1   the same with one sdS buffer
+    m80wg    m80 with the per-warpgroup dQ hand-off (the default's from 4K query rows)
 (dK after dQ and LSE2 / D in registers, measured in session 19, lost: perf/NOTES.md)
 """
 import contextlib
@@ -48,6 +49,8 @@ VARIANTS = {  # (head dim, features) -> a forced config, or None where it does n
                          if d == 128 and f.mask == "none" else None),
     "m80ds1": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), tile_m=80, dq_swapped=True, ds_stages=1)
                             if d == 128 and f.mask == "none" else None),
+    "m80wg": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), tile_m=80, dq_swapped=True, ds_stages=2,
+                                               dq_handoff_per_wg=True) if d == 128 and f.mask == "none" else None),
 }
 
 

@@ -201,6 +201,7 @@ CASES = (
     Case("bwd-m80-gqa", batch=2, seqlen_q=700, seqlen_k=900, nheads=8, nheads_kv=2, extra={"config": "m80"}),
     Case("bwd-m80-varlen-deterministic", nheads=4, nheads_kv=2, deterministic=True,
          lengths=((0, 40), (150, 200), (277, 129)), extra={"config": "m80"}),
+    Case("bwd-m80-per-wg-gqa", batch=2, seqlen_q=700, seqlen_k=900, nheads=8, nheads_kv=2, extra={"config": "m80wg"}),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
     Case("lse-combine", batch=2, seqlen_q=300, nheads=3, backward=False, extra={"combine": 3}),
 )
@@ -371,9 +372,10 @@ def force_config(name):
     elif name == "dq_per_wg":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2, dq_handoff_per_wg=True)
-    elif name == "m80":
+    elif name in ("m80", "m80wg"):
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
-            config.bwd_config_for(*a, **kw), tile_m=80, dq_swapped=True, ds_stages=2)
+            config.bwd_config_for(*a, **kw), tile_m=80, dq_swapped=True, ds_stages=2,
+            dq_handoff_per_wg=name == "m80wg")
     elif name == "round_robin":
         tuning.with_persistent_grid = lambda *a, **kw: dataclasses.replace(
             config.with_persistent_grid(*a, **kw), tile_queue=False)

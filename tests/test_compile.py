@@ -779,18 +779,19 @@ def test_backward_with_two_sds_buffers_compiles_without_spills(head_dim, mask):
 
 
 
-@pytest.mark.parametrize("features", [AttnFeatures(), AttnFeatures(varlen=True)], ids=["dense", "varlen"])
-def test_backward_80_query_rows_with_swapped_dq_compiles(features):
+@pytest.mark.parametrize("features, per_wg", [(AttnFeatures(), False), (AttnFeatures(varlen=True), False),
+                                              (AttnFeatures(), True)], ids=["dense", "varlen", "dense-per-wg"])
+def test_backward_80_query_rows_with_swapped_dq_compiles(features, per_wg):
     """BwdConfig.dq_swapped (an experiment, off by default) with 80 query rows per step at
     head dim 128: S^T, dP^T and dQ^T = K^T dS^T are m64n80 WGMMAs and dV, dK m64n128 (no
     n64 left), dS goes to shared memory by stmatrix .trans and so does the postprocess's
     dQ^T; no spill and no WGMMA serialisation (C7512) in the main kernel, the deterministic
-    one included, and its shared memory within a CTA's (the launch checks that at trace
-    time)."""
+    one included (the joint hand-off), and its shared memory within a CTA's (the launch
+    checks that at trace time)."""
     from cute_attn.config import BwdConfig
 
-    config = BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True)
-    for deterministic in (False, True):
+    config = BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_handoff_per_wg=per_wg)
+    for deterministic in (False,) if per_wg else (False, True):
         arts = ptx_tool.compile_bwd_artifacts("bf16", 128, features, config, deterministic=deterministic)
         main = arts["main"]
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", main.ptx))

@@ -329,13 +329,16 @@ M80_CASES = [
 ]
 
 
+@pytest.mark.parametrize("per_wg", [False, True], ids=["joint", "per_wg"])
 @pytest.mark.parametrize("case", M80_CASES, ids=str)
-def test_backward_80_query_rows_with_swapped_dq(case, monkeypatch):
+def test_backward_80_query_rows_with_swapped_dq(case, per_wg, monkeypatch):
     """BwdConfig(tile_m=80, dq_swapped=True) forced at head dim 128 (S^T, dP^T and dQ^T
     m64n80, dS stored queries x keys, dQ_accum in the dQ^T fragment's order and the
-    postprocess's transposed store): the accuracy rule of every backward test, and
-    bit-identical deterministic gradients on the GQA cases (the turn counters per 80-row
-    query block)."""
+    postprocess's transposed store), with the joint or the per-warpgroup dQ hand-off: the
+    accuracy rule of every backward test, and bit-identical deterministic gradients on the
+    GQA cases (the turn counters per 80-row query block; always the joint hand-off)."""
+    import dataclasses
+
     from cute_attn import config, launcher
 
     forced = config.BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True)
@@ -343,13 +346,13 @@ def test_backward_80_query_rows_with_swapped_dq(case, monkeypatch):
 
     def bwd_config_for(head_dim, features, deterministic=False, max_seqlen_q=0):
         calls.append(head_dim)
-        return forced
+        return forced if deterministic or not per_wg else dataclasses.replace(forced, dq_handoff_per_wg=True)
 
     monkeypatch.setattr(launcher, "bwd_config_for", bwd_config_for)
     q, k, v, dout, cu = make_inputs(case, seed=5)
     check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
     assert calls, "the forced config never reached the launcher"
-    if case.h != case.h_kv:
+    if case.h != case.h_kv and not per_wg:
         g1 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
         g2 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(g1, g2)), "deterministic m80 gradients differ"

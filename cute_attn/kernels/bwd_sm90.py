@@ -840,12 +840,11 @@ class FlashBwdSm90:
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
                 mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, ops.tdKrdS, ops.tdKrQ[None, None, None, stage], wait_groups=1)
             elif cutlass.const_expr(self.dq_swapped):
-                # dV has read P^T before dQ^T's accumulator is live: with P^T, dS^T (20
-                # registers each at 80 queries), dK, dV (128) and dQ^T (40) all held, ptxas
-                # serialised every WGMMA of the kernel (C7512). dK still runs under the
-                # issue, but for varlen and the deterministic backward, whose extra state
-                # then spilled 12 bytes (outside the mainloop): dK done too there
-                warpgroup.wait_group(0 if self.features.varlen or self.deterministic else 1)
+                # dV and dK have read P^T and dS^T before dQ^T's accumulator is live: with
+                # P^T, dS^T (20 registers each at 80 queries), dK, dV (128) and dQ^T (40)
+                # all held, ptxas serialised every WGMMA of the kernel (C7512); waiting for
+                # dV alone (dK running under the issue) spilled 12 bytes, one reload per step
+                warpgroup.wait_group(0)
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=0)
             else:
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
