@@ -633,6 +633,9 @@ def choose_pack_gqa(seqlen_q: int, group: int, tile_m: int, varlen: bool) -> int
 # ----------------------------------------------------------------------------------------
 
 
+DQ_ORDERS = ("after_dkv", "after_dv", "before_dk", "fa4")  # BwdConfig.dq_order
+
+
 @dataclass(frozen=True)
 class BwdConfig(_WarpSpecialized):
     """Tile shape of the Hopper backward (kernels/bwd_sm90.py). A CTA owns tile_n keys (64
@@ -691,6 +694,17 @@ class BwdConfig(_WarpSpecialized):
     # softcap, the mods' kernel: mods, dropout, a sink), head dims a multiple of 64 per dQ
     # warpgroup; not measured (perf/NOTES.md, session 28).
     dq_swapped: bool = False
+    # With dq_swapped: where dQ^T's WGMMA goes among dV's and dK's (both issued after the
+    # step's dS^T; an experiment, perf/NOTES.md session 28). P^T (dV's A), dS^T (dK's A),
+    # dV, dK and dQ^T's accumulator cannot all be held at once without spilling.
+    #   "after_dkv"  dV, dK; wait for both; dQ^T; wait; dQ^T to sdQ (nothing overlaps the
+    #                dQ^T store)
+    #   "after_dv"   dV, dK; wait for dV; dQ^T (issued under dK); wait; dQ^T to sdQ
+    #   "before_dk"  dV; wait for dV; dQ^T; dK; wait for dQ^T; dQ^T to sdQ under dK
+    #   "fa4"        dV; dQ^T; wait for dV; dK; wait for dQ^T; dQ^T to sdQ under dK
+    #                (FlashAttention-4's Hopper order: P^T held while dQ^T is issued;
+    #                ptxas 13.0 serialises every WGMMA of the kernel, C7512: kept to show it)
+    dq_order: str = "after_dkv"
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -704,6 +718,10 @@ class BwdConfig(_WarpSpecialized):
         if self.tile_m % 64 and not self.dq_swapped:
             raise ValueError(f"tile_m {self.tile_m} is not a multiple of 64, the M of dQ = dS K per "
                              "warpgroup: it needs dq_swapped (dQ^T = K^T dS^T)")
+        if self.dq_order not in DQ_ORDERS:
+            raise ValueError(f"dq_order must be one of {DQ_ORDERS}, got {self.dq_order!r}")
+        if self.dq_order != "after_dkv" and not self.dq_swapped:
+            raise ValueError(f"dq_order {self.dq_order!r} orders dQ^T's WGMMA: it needs dq_swapped")
         if self.dq_swapped and (self.split_d or self.dq_atomic):
             raise ValueError("dq_swapped takes the sdQ tile and whole-head-dim warpgroups (no split_d, no dq_atomic)")
         if self.dq_warpgroups not in (1, self.num_mma_warpgroups):

@@ -16,11 +16,17 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     ds2      the default with two sdS buffers
     dplate   the default with the dP^T wait pinned below P^T's exp2s (dp_wait_after_exp2)
     dqwg     two sdS buffers and the per-warpgroup dQ hand-off (dq_handoff_per_wg; 64 / 128)
-    copy     the default itself, timed again: the run's noise floor
-    m80      the default with 80 query rows per step and dQ^T = K^T dS^T (BwdConfig.dq_swapped;
-             head dim 128 without a mask, two sdS buffers like the default there)
+    dqjoint  the default with the joint dQ hand-off (the per-warpgroup one is the default
+             from config.DQ_HANDOFF_PER_WG_FROM_QUERIES rows)
+    copy     the default itself (at each length), timed again: the run's noise floor
+    m80      80 query rows per step and dQ^T = K^T dS^T (BwdConfig.dq_swapped; head dim 128
+             without a mask), two sdS buffers, the joint dQ hand-off; dQ^T after dV and dK
+             (BwdConfig.dq_order "after_dkv")
     m80ds1   the same with one sdS buffer
-    m80wg    m80 with the per-warpgroup dQ hand-off (the default's from 4K query rows)
+    m80wg    m80 with the per-warpgroup dQ hand-off (at every length)
+    m80adv   m80 with dQ^T issued once dV is done, under dK (dq_order "after_dv")
+    m80bdk   m80 with dQ^T before dK, its store to sdQ under dK (dq_order "before_dk")
+    m80advwg, m80bdkwg   the same two with the per-warpgroup hand-off
 (dK after dQ and LSE2 / D in registers, measured in session 19, lost: perf/NOTES.md)
 """
 import contextlib
@@ -33,31 +39,54 @@ sys.path.insert(0, "perf")
 import harness  # noqa: E402
 from cute_attn import config, launcher  # noqa: E402
 
-VARIANTS = {  # (head dim, features) -> a forced config, or None where it does not apply
-    "sdq": lambda d, f: config.split_d_bwd_config(d, dq_atomic=False) if d > 128 else None,
-    "atomic": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, ds_stages=1),
-    "atomic3": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), dq_atomic=True, num_stages=3,
-                                                 ds_stages=1) if d <= 128 else None),
-    "ds1": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), ds_stages=1) if d <= 128 else None,
-    "ds2": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2)
-                         if d <= 128 and d != 96 else None),  # 96: one dQ warpgroup, no second sdS
-    "dplate": lambda d, f: dataclasses.replace(config.bwd_config_for(d, f), dp_wait_after_exp2=True),
-    "dqwg": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), ds_stages=2, dq_handoff_per_wg=True)
-                          if d in (64, 128) else None),
-    "copy": lambda d, f: config.bwd_config_for(d, f),
-    "m80": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), tile_m=80, dq_swapped=True, ds_stages=2)
-                         if d == 128 and f.mask == "none" else None),
-    "m80ds1": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), tile_m=80, dq_swapped=True, ds_stages=1)
-                            if d == 128 and f.mask == "none" else None),
-    "m80wg": lambda d, f: (dataclasses.replace(config.bwd_config_for(d, f), tile_m=80, dq_swapped=True, ds_stages=2,
-                                               dq_handoff_per_wg=True) if d == 128 and f.mask == "none" else None),
+def _default(d, f, s):
+    """What mha's backward runs at s query rows (config.bwd_config_for)."""
+    return config.bwd_config_for(d, f, max_seqlen_q=s)
+
+
+def _joint(d, f, s):
+    """The default with the joint dQ hand-off (what dq_atomic and one sdS buffer need)."""
+    return dataclasses.replace(_default(d, f, s), dq_handoff_per_wg=False)
+
+
+VARIANTS = {  # (head dim, features, query rows) -> a forced config, or None where it does not apply
+    "sdq": lambda d, f, s: config.split_d_bwd_config(d, dq_atomic=False) if d > 128 else None,
+    "atomic": lambda d, f, s: dataclasses.replace(_joint(d, f, s), dq_atomic=True, ds_stages=1),
+    "atomic3": lambda d, f, s: (dataclasses.replace(_joint(d, f, s), dq_atomic=True, num_stages=3,
+                                                    ds_stages=1) if d <= 128 else None),
+    "ds1": lambda d, f, s: dataclasses.replace(_joint(d, f, s), ds_stages=1) if d <= 128 else None,
+    "ds2": lambda d, f, s: (dataclasses.replace(_default(d, f, s), ds_stages=2)
+                            if d <= 128 and d != 96 else None),  # 96: one dQ warpgroup, no second sdS
+    "dplate": lambda d, f, s: dataclasses.replace(_default(d, f, s), dp_wait_after_exp2=True),
+    "dqwg": lambda d, f, s: (dataclasses.replace(_default(d, f, s), ds_stages=2, dq_handoff_per_wg=True)
+                             if d in (64, 128) else None),
+    "dqjoint": lambda d, f, s: _joint(d, f, s),
+    "copy": lambda d, f, s: _default(d, f, s),
 }
+
+
+def _m80(order, per_wg, ds_stages=2):
+    """80 query rows with dQ^T (head dim 128 without a mask), from the joint default."""
+    return lambda d, f, s: (dataclasses.replace(_joint(d, f, s), tile_m=80, dq_swapped=True, ds_stages=ds_stages,
+                                                dq_handoff_per_wg=per_wg, dq_order=order)
+                            if d == 128 and f.mask == "none" else None)
+
+
+VARIANTS.update({
+    "m80": _m80("after_dkv", False),
+    "m80ds1": _m80("after_dkv", False, ds_stages=1),
+    "m80wg": _m80("after_dkv", True),
+    "m80adv": _m80("after_dv", False),
+    "m80bdk": _m80("before_dk", False),
+    "m80advwg": _m80("after_dv", True),
+    "m80bdkwg": _m80("before_dk", True),
+})
 
 
 @contextlib.contextmanager
 def forced(cfg):
     real = launcher.bwd_config_for
-    launcher.bwd_config_for = lambda head_dim, features, deterministic=False: cfg
+    launcher.bwd_config_for = lambda *args, **kwargs: cfg  # whatever the launcher passes (max_seqlen_q too)
     try:
         yield
     finally:
@@ -79,12 +108,13 @@ def main():
     for d in head_dims:
         for causal in map(bool, causals):
             features = config.AttnFeatures(mask="causal" if causal else "none")
-            impls = dict(base)
-            for name in names:
-                cfg = VARIANTS[name](d, features)
-                if cfg is not None:
-                    impls[name] = dataclasses.replace(base["cute_attn"], name=name, context=lambda cfg=cfg: forced(cfg))
             for s in seqlens:
+                impls = dict(base)
+                for name in names:
+                    cfg = VARIANTS[name](d, features, s)
+                    if cfg is not None:
+                        impls[name] = dataclasses.replace(base["cute_attn"], name=name,
+                                                          context=lambda cfg=cfg: forced(cfg))
                 nheads = 2048 // d if 2048 % d == 0 else 10
                 b = 16384 // s
                 q, k, v = (t.requires_grad_() for t in harness.random_qkv(b, s, nheads, d, torch.bfloat16, seed=s))

@@ -779,18 +779,21 @@ def test_backward_with_two_sds_buffers_compiles_without_spills(head_dim, mask):
 
 
 
+@pytest.mark.parametrize("dq_order", ["after_dkv", "after_dv", "before_dk"])
 @pytest.mark.parametrize("features, per_wg", [(AttnFeatures(), False), (AttnFeatures(varlen=True), False),
                                               (AttnFeatures(), True)], ids=["dense", "varlen", "dense-per-wg"])
-def test_backward_80_query_rows_with_swapped_dq_compiles(features, per_wg):
+def test_backward_80_query_rows_with_swapped_dq_compiles(features, per_wg, dq_order):
     """BwdConfig.dq_swapped (an experiment, off by default) with 80 query rows per step at
     head dim 128: S^T, dP^T and dQ^T = K^T dS^T are m64n80 WGMMAs and dV, dK m64n128 (no
     n64 left), dS goes to shared memory by stmatrix .trans and so does the postprocess's
     dQ^T; no spill and no WGMMA serialisation (C7512) in the main kernel, the deterministic
     one included (the joint hand-off), and its shared memory within a CTA's (the launch
-    checks that at trace time)."""
+    checks that at trace time). Each BwdConfig.dq_order but "fa4" (which ptxas serialises:
+    P^T, dS^T, dV, dK and dQ^T all held)."""
     from cute_attn.config import BwdConfig
 
-    config = BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_handoff_per_wg=per_wg)
+    config = BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_handoff_per_wg=per_wg,
+                       dq_order=dq_order)
     for deterministic in (False,) if per_wg else (False, True):
         arts = ptx_tool.compile_bwd_artifacts("bf16", 128, features, config, deterministic=deterministic)
         main = arts["main"]
@@ -813,6 +816,10 @@ def test_backward_swapped_dq_config_is_checked():
 
     with pytest.raises(ValueError, match="dq_swapped"):
         BwdConfig(tile_m=80)
+    with pytest.raises(ValueError, match="dq_swapped"):
+        BwdConfig(dq_order="before_dk")
+    with pytest.raises(ValueError, match="dq_order"):
+        BwdConfig(tile_m=80, dq_swapped=True, dq_order="dk_first")
     for bad in (dict(dq_atomic=True, ds_stages=1), dict(tile_n=64, split_d=True)):
         with pytest.raises(ValueError, match="dq_swapped"):
             BwdConfig(**{**dict(tile_m=80, dq_swapped=True), **bad})

@@ -329,19 +329,21 @@ M80_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dq_order", ["after_dkv", "after_dv", "before_dk"])
 @pytest.mark.parametrize("per_wg", [False, True], ids=["joint", "per_wg"])
 @pytest.mark.parametrize("case", M80_CASES, ids=str)
-def test_backward_80_query_rows_with_swapped_dq(case, per_wg, monkeypatch):
+def test_backward_80_query_rows_with_swapped_dq(case, per_wg, dq_order, monkeypatch):
     """BwdConfig(tile_m=80, dq_swapped=True) forced at head dim 128 (S^T, dP^T and dQ^T
     m64n80, dS stored queries x keys, dQ_accum in the dQ^T fragment's order and the
-    postprocess's transposed store), with the joint or the per-warpgroup dQ hand-off: the
+    postprocess's transposed store), with the joint or the per-warpgroup dQ hand-off and
+    dQ^T's WGMMA after dV and dK, after dV under dK, or before dK (BwdConfig.dq_order): the
     accuracy rule of every backward test, and bit-identical deterministic gradients on the
     GQA cases (the turn counters per 80-row query block; always the joint hand-off)."""
     import dataclasses
 
     from cute_attn import config, launcher
 
-    forced = config.BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True)
+    forced = config.BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_order=dq_order)
     calls = []
 
     def bwd_config_for(head_dim, features, deterministic=False, max_seqlen_q=0):

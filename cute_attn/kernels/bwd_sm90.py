@@ -239,6 +239,7 @@ class FlashBwdSm90:
         if self.dq_handoff_per_wg and deterministic:
             raise ValueError("the deterministic backward orders whole dQ chunks: no dq_handoff_per_wg")
         self.dq_swapped = config.dq_swapped  # see BwdConfig.dq_swapped
+        self.dq_order = config.dq_order  # see BwdConfig.dq_order (dq_swapped only)
         if self.dq_swapped:
             # the per-element paths (masks, softcap, mods, dropout) and the mods' kernel (a
             # sink too) are not tested with it: an experiment for the unmasked backward
@@ -808,6 +809,9 @@ class FlashBwdSm90:
         rdS.store(acc_dP.load().to(self.p_dtype))
 
         barrier_threads = self.num_mma_threads + 32
+        # dq_swapped's BwdConfig.dq_order: dK's WGMMA issued after dQ^T's (the store of
+        # dQ^T to sdQ then runs under it)
+        dk_after_dq = self.dq_swapped and self.dq_order in ("before_dk", "fa4")
         if cutlass.const_expr(self.split_d):
             # P^T and dS^T to smem: every warpgroup's dV/dK needs all keys x all queries
             self.wait_ds_free(barrier_threads)
@@ -818,7 +822,8 @@ class FlashBwdSm90:
             mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, ops.tdVrP, ops.tdVrdO[None, None, None, stage], wait_groups=-1)
         else:
             mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, mma_sm90.acc_as_operand_a(rP), ops.tdVrdO[None, None, None, stage], wait_groups=-1)
-            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
+            if cutlass.const_expr(not dk_after_dq):
+                self.mma_dk(ops, tiled_mma_dkv, rdS, stage)
 
             # dS^T to shared memory for dQ = dS K, which needs every warpgroup's keys
             sdS = smem.ds
@@ -830,7 +835,13 @@ class FlashBwdSm90:
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
 
-        if wg_idx < self.dq_wgs:
+        # with dq_swapped and every warpgroup computing dQ^T, no run-time branch: with it,
+        # ptxas spilled 12 bytes for "after_dv" (a reload per step) and serialised every
+        # WGMMA of the kernel for "before_dk" (C7512)
+        is_dq_wg = wg_idx < self.dq_wgs
+        if cutlass.const_expr(self.dq_swapped and self.dq_wgs == self.num_mma_wg):
+            is_dq_wg = True
+        if is_dq_wg:
             dq_shape = dq_accum.mma_shape(self.tile_m, self.head_dim, self.dq_swapped)
             acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C(dq_shape), Float32)
             tdQrdS = ops.tdQrdS
@@ -839,13 +850,23 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.split_d):
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
                 mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, ops.tdKrdS, ops.tdKrQ[None, None, None, stage], wait_groups=1)
-            elif cutlass.const_expr(self.dq_swapped):
+            elif cutlass.const_expr(self.dq_swapped and self.dq_order == "after_dkv"):
                 # dV and dK have read P^T and dS^T before dQ^T's accumulator is live: with
                 # P^T, dS^T (20 registers each at 80 queries), dK, dV (128) and dQ^T (40)
-                # all held, ptxas serialised every WGMMA of the kernel (C7512); waiting for
-                # dV alone (dK running under the issue) spilled 12 bytes, one reload per step
+                # all held, ptxas serialised every WGMMA of the kernel (C7512; "fa4" below)
                 warpgroup.wait_group(0)
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=0)
+            elif cutlass.const_expr(self.dq_swapped and self.dq_order == "after_dv"):
+                warpgroup.wait_group(1)  # dV's: P^T free; dK still reads dS^T
+                mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=0)
+            elif cutlass.const_expr(self.dq_swapped):
+                if cutlass.const_expr(self.dq_order == "before_dk"):
+                    warpgroup.wait_group(0)  # dV's: P^T free before dQ^T's accumulator is live
+                    mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=-1)
+                else:  # "fa4": dQ^T issued under dV, which holds P^T until the wait (C7512)
+                    mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=1)
+                self.mma_dk(ops, tiled_mma_dkv, rdS, stage)
+                warpgroup.wait_group(1)  # dQ^T's; dK runs under its store to sdQ
             else:
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
             if cutlass.const_expr(self.ds_stages > 1):
@@ -862,12 +883,14 @@ class FlashBwdSm90:
                 for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                     smem.dq[dq_accum.offset(i, tidx, cute.size(acc_dQ))] = acc_dQ[i]
                 cute.arch.fence_view_async_shared()
-            if cutlass.const_expr(self.split_d):
+            if cutlass.const_expr(self.split_d or dk_after_dq):
                 # dK's WGMMA reads this stage's Q and sdS: done before the stage
                 # is released below and before sdS is rewritten (the local compile caught
                 # its absence)
                 warpgroup.wait_group(0)
         else:
+            if cutlass.const_expr(dk_after_dq and self.dq_wgs < self.num_mma_wg):
+                self.mma_dk(ops, tiled_mma_dkv, rdS, stage)
             warpgroup.wait_group(0)
         # every WGMMA reading this stage's Q and dO has completed, and this thread's loads
         # of its LSE2 and D are done (release_after_loads says why it syncs the warp)
@@ -876,6 +899,11 @@ class FlashBwdSm90:
             cute.arch.barrier_arrive(barrier_id=dq_barrier(NamedBarrier.DQ_FULL, wg_idx), number_of_threads=160)
         elif cutlass.const_expr(not self.dq_atomic):
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL), number_of_threads=barrier_threads)
+
+    @staticmethod
+    def mma_dk(ops: StepOperands, tiled_mma_dkv, rdS, stage):
+        """dK += dS^T Q, dS^T from this warpgroup's registers, issued and committed."""
+        mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
 
     def sds_shape(self) -> tuple:
         """sdS's stored (rows, cols): dS^T's (tile_n, tile_m), or with dq_swapped dS's."""
