@@ -633,6 +633,9 @@ def choose_pack_gqa(seqlen_q: int, group: int, tile_m: int, varlen: bool) -> int
 # ----------------------------------------------------------------------------------------
 
 
+DQ_ORDERS = ("after_dkv", "after_dv", "before_dk", "fa4")  # BwdConfig.dq_order
+
+
 @dataclass(frozen=True)
 class BwdConfig(_WarpSpecialized):
     """Tile shape of the Hopper backward (kernels/bwd_sm90.py). A CTA owns tile_n keys (64
@@ -681,6 +684,27 @@ class BwdConfig(_WarpSpecialized):
     # writer together at every step's end (FlashAttention-4's Hopper hand-off). Not with
     # the deterministic backward (its turn counters order whole chunks).
     dq_handoff_per_wg: bool = False
+    # dQ computed transposed, dQ^T = K^T dS^T (M = head_dim, 64 rows per dQ warpgroup;
+    # N = tile_m; K = the tile's keys), so tile_m need not be a multiple of 64: 80 queries
+    # per step make S^T, dP^T and dQ^T m64n80 WGMMAs (FlashAttention-4's Hopper choice at
+    # head dim 128 without a mask). sdS then holds dS (queries x keys, keys contiguous: a
+    # K-major B operand), written from the S^T-shaped registers by stmatrix .trans; dQ_accum
+    # keeps the dQ^T accumulator's fragment order (blocks/dq_accum.py). An experiment, off
+    # everywhere (bwd_config_for): the unmasked backward only (FlashBwdSm90 refuses masks,
+    # softcap, the mods' kernel: mods, dropout, a sink), head dims a multiple of 64 per dQ
+    # warpgroup; not measured (perf/NOTES.md, session 28).
+    dq_swapped: bool = False
+    # With dq_swapped: where dQ^T's WGMMA goes among dV's and dK's (both issued after the
+    # step's dS^T; an experiment, perf/NOTES.md session 28). P^T (dV's A), dS^T (dK's A),
+    # dV, dK and dQ^T's accumulator cannot all be held at once without spilling.
+    #   "after_dkv"  dV, dK; wait for both; dQ^T; wait; dQ^T to sdQ (nothing overlaps the
+    #                dQ^T store)
+    #   "after_dv"   dV, dK; wait for dV; dQ^T (issued under dK); wait; dQ^T to sdQ
+    #   "before_dk"  dV; wait for dV; dQ^T; dK; wait for dQ^T; dQ^T to sdQ under dK
+    #   "fa4"        dV; dQ^T; wait for dV; dK; wait for dQ^T; dQ^T to sdQ under dK
+    #                (FlashAttention-4's Hopper order: P^T held while dQ^T is issued;
+    #                ptxas 13.0 serialises every WGMMA of the kernel, C7512: kept to show it)
+    dq_order: str = "after_dkv"
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -691,6 +715,15 @@ class BwdConfig(_WarpSpecialized):
             raise ValueError(f"tile_n must be 64 or 128, got {self.tile_n}")
         if self.tile_m % 16 or not 16 <= self.tile_m <= 128:
             raise ValueError(f"tile_m must be a multiple of 16 in [16, 128], got {self.tile_m}")
+        if self.tile_m % 64 and not self.dq_swapped:
+            raise ValueError(f"tile_m {self.tile_m} is not a multiple of 64, the M of dQ = dS K per "
+                             "warpgroup: it needs dq_swapped (dQ^T = K^T dS^T)")
+        if self.dq_order not in DQ_ORDERS:
+            raise ValueError(f"dq_order must be one of {DQ_ORDERS}, got {self.dq_order!r}")
+        if self.dq_order != "after_dkv" and not self.dq_swapped:
+            raise ValueError(f"dq_order {self.dq_order!r} orders dQ^T's WGMMA: it needs dq_swapped")
+        if self.dq_swapped and (self.split_d or self.dq_atomic):
+            raise ValueError("dq_swapped takes the sdQ tile and whole-head-dim warpgroups (no split_d, no dq_atomic)")
         if self.dq_warpgroups not in (1, self.num_mma_warpgroups):
             raise ValueError(f"dq_warpgroups must be 1 or {self.num_mma_warpgroups}, got {self.dq_warpgroups}")
         if self.split_d and (self.tile_n != 64 or self.dq_warpgroups != 2):

@@ -19,6 +19,14 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     dqjoint  the default with the joint dQ hand-off (the per-warpgroup one is the default
              from config.DQ_HANDOFF_PER_WG_FROM_QUERIES rows)
     copy     the default itself (at each length), timed again: the run's noise floor
+    m80      80 query rows per step and dQ^T = K^T dS^T (BwdConfig.dq_swapped; head dim 128
+             without a mask), two sdS buffers, the joint dQ hand-off; dQ^T after dV and dK
+             (BwdConfig.dq_order "after_dkv")
+    m80ds1   the same with one sdS buffer
+    m80wg    m80 with the per-warpgroup dQ hand-off (at every length)
+    m80adv   m80 with dQ^T issued once dV is done, under dK (dq_order "after_dv")
+    m80bdk   m80 with dQ^T before dK, its store to sdQ under dK (dq_order "before_dk")
+    m80advwg, m80bdkwg   the same two with the per-warpgroup hand-off
 (dK after dQ and LSE2 / D in registers, measured in session 19, lost: perf/NOTES.md)
 """
 import contextlib
@@ -55,6 +63,24 @@ VARIANTS = {  # (head dim, features, query rows) -> a forced config, or None whe
     "dqjoint": lambda d, f, s: _joint(d, f, s),
     "copy": lambda d, f, s: _default(d, f, s),
 }
+
+
+def _m80(order, per_wg, ds_stages=2):
+    """80 query rows with dQ^T (head dim 128 without a mask), from the joint default."""
+    return lambda d, f, s: (dataclasses.replace(_joint(d, f, s), tile_m=80, dq_swapped=True, ds_stages=ds_stages,
+                                                dq_handoff_per_wg=per_wg, dq_order=order)
+                            if d == 128 and f.mask == "none" else None)
+
+
+VARIANTS.update({
+    "m80": _m80("after_dkv", False),
+    "m80ds1": _m80("after_dkv", False, ds_stages=1),
+    "m80wg": _m80("after_dkv", True),
+    "m80adv": _m80("after_dv", False),
+    "m80bdk": _m80("before_dk", False),
+    "m80advwg": _m80("after_dv", True),
+    "m80bdkwg": _m80("before_dk", True),
+})
 
 
 @contextlib.contextmanager

@@ -195,6 +195,21 @@ CASES = (
          extra={"config": "dq_per_wg"}),
     Case("bwd-ds2-hd64-deterministic", head_dim=64, seqlen_q=500, seqlen_k=600, nheads=4, nheads_kv=4,
          deterministic=True),
+    # 80 query rows per step with dQ^T = K^T dS^T (BwdConfig.dq_swapped, an experiment):
+    # dS stored queries x keys by stmatrix .trans, two sdS buffers, 80-row Q / dO / LSE2 / D
+    # stages; lengths not multiples of 80; GQA, and varlen with the deterministic turns
+    Case("bwd-m80-gqa", batch=2, seqlen_q=700, seqlen_k=900, nheads=8, nheads_kv=2, extra={"config": "m80"}),
+    Case("bwd-m80-varlen-deterministic", nheads=4, nheads_kv=2, deterministic=True,
+         lengths=((0, 40), (150, 200), (277, 129)), extra={"config": "m80"}),
+    Case("bwd-m80-per-wg-gqa", batch=2, seqlen_q=700, seqlen_k=900, nheads=8, nheads_kv=2, extra={"config": "m80wg"}),
+    # BwdConfig.dq_order: dQ^T issued before dK, its sdQ store under dK ("before_dk"), or
+    # once dV is done, under dK ("after_dv")
+    Case("bwd-m80-before-dk-gqa", batch=2, seqlen_q=700, seqlen_k=900, nheads=8, nheads_kv=2,
+         extra={"config": "m80bdk"}),
+    Case("bwd-m80-before-dk-per-wg-varlen", nheads=4, nheads_kv=2, lengths=((0, 40), (150, 200), (277, 129)),
+         extra={"config": "m80bdkwg"}),
+    Case("bwd-m80-after-dv-gqa", batch=2, seqlen_q=700, seqlen_k=900, nheads=8, nheads_kv=2,
+         extra={"config": "m80adv"}),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
     Case("lse-combine", batch=2, seqlen_q=300, nheads=3, backward=False, extra={"combine": 3}),
 )
@@ -372,6 +387,12 @@ def force_config(name):
     elif name == "dq_per_wg":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2, dq_handoff_per_wg=True)
+    elif name in ("m80", "m80wg", "m80adv", "m80bdk", "m80advwg", "m80bdkwg"):
+        order = {"adv": "after_dv", "bdk": "before_dk"}.get(name[3:6], "after_dkv")
+        launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
+            config.bwd_config_for(*a, **kw), tile_m=80, dq_swapped=True, ds_stages=2,
+            dq_handoff_per_wg=name.endswith("wg") and not kw.get("deterministic", a[2] if len(a) > 2 else False),
+            dq_order=order)
     elif name == "round_robin":
         tuning.with_persistent_grid = lambda *a, **kw: dataclasses.replace(
             config.with_persistent_grid(*a, **kw), tile_queue=False)

@@ -777,3 +777,58 @@ def test_backward_with_two_sds_buffers_compiles_without_spills(head_dim, mask):
         assert " 0 bytes spill stores" in arts[two].ptxas_report, arts[two].ptxas_report
 
 
+
+
+@pytest.mark.parametrize("dq_order", ["after_dkv", "after_dv", "before_dk"])
+@pytest.mark.parametrize("features, per_wg", [(AttnFeatures(), False), (AttnFeatures(varlen=True), False),
+                                              (AttnFeatures(), True)], ids=["dense", "varlen", "dense-per-wg"])
+def test_backward_80_query_rows_with_swapped_dq_compiles(features, per_wg, dq_order):
+    """BwdConfig.dq_swapped (an experiment, off by default) with 80 query rows per step at
+    head dim 128: S^T, dP^T and dQ^T = K^T dS^T are m64n80 WGMMAs and dV, dK m64n128 (no
+    n64 left), dS goes to shared memory by stmatrix .trans and so does the postprocess's
+    dQ^T; no spill and no WGMMA serialisation (C7512) in the main kernel, the deterministic
+    one included (the joint hand-off), and its shared memory within a CTA's (the launch
+    checks that at trace time). Each BwdConfig.dq_order but "fa4" (which ptxas serialises:
+    P^T, dS^T, dV, dK and dQ^T all held)."""
+    from cute_attn.config import BwdConfig
+
+    config = BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_handoff_per_wg=per_wg,
+                       dq_order=dq_order)
+    for deterministic in (False,) if per_wg else (False, True):
+        arts = ptx_tool.compile_bwd_artifacts("bf16", 128, features, config, deterministic=deterministic)
+        main = arts["main"]
+        shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", main.ptx))
+        assert shapes == {"80", "128"}, shapes
+        assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in main.ptx
+        assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in arts["postprocess"].ptx
+        assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in main.ptx
+        if main.cubin is not None:
+            assert " 0 bytes spill stores" in main.ptxas_report, main.ptxas_report
+            assert "C7512" not in main.ptxas_report and "serialized" not in main.ptxas_report, main.ptxas_report
+
+
+def test_backward_swapped_dq_config_is_checked():
+    """tile_m 80 needs dq_swapped (dQ's M is 64 per warpgroup); dq_swapped refuses split_d,
+    dQ atomics, masks, the per-element features and the mods' kernel (a sink), and head
+    dims that are not 64 rows per dQ warpgroup; the defaults never take it."""
+    from cute_attn.config import DTYPES, BwdConfig
+    from cute_attn.kernels.bwd_sm90 import FlashBwdSm90
+
+    with pytest.raises(ValueError, match="dq_swapped"):
+        BwdConfig(tile_m=80)
+    with pytest.raises(ValueError, match="dq_swapped"):
+        BwdConfig(dq_order="before_dk")
+    with pytest.raises(ValueError, match="dq_order"):
+        BwdConfig(tile_m=80, dq_swapped=True, dq_order="dk_first")
+    for bad in (dict(dq_atomic=True, ds_stages=1), dict(tile_n=64, split_d=True)):
+        with pytest.raises(ValueError, match="dq_swapped"):
+            BwdConfig(**{**dict(tile_m=80, dq_swapped=True), **bad})
+    config = BwdConfig(tile_m=80, dq_swapped=True)
+    for features in (AttnFeatures(mask="causal"), AttnFeatures(mask="local"), AttnFeatures(softcap=True),
+                     AttnFeatures(dropout=True), AttnFeatures(sink=True)):
+        with pytest.raises(ValueError, match="unmasked"):
+            FlashBwdSm90(DTYPES["bf16"], 128, features, config)
+    with pytest.raises(ValueError, match="head_dim"):
+        FlashBwdSm90(DTYPES["bf16"], 96, AttnFeatures(), BwdConfig(tile_m=80, dq_warpgroups=1, dq_swapped=True))
+    assert not any(bwd_config_for(d, AttnFeatures(mask=m)).dq_swapped
+                   for d in CAPABILITIES["bwd"].head_dims for m in ("none", "causal", "local"))

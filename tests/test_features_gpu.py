@@ -314,6 +314,54 @@ def test_long_queries_take_the_per_warpgroup_dq_handoff(case, monkeypatch):
     assert chosen and all(c.dq_handoff_per_wg for c in chosen), chosen
 
 
+# --------------------------- BwdConfig.dq_swapped: 80 query rows per step (an experiment)
+
+# Unmasked only (FlashBwdSm90 refuses the rest). Lengths that are not multiples of 80
+# leave a partial last query tile (LSE2 = +inf rows) and partial KV tiles (masked keys).
+M80_CASES = [
+    Case(h=4, h_kv=4, sq=1000, sk=1000),   # 1000 = 12 * 80 + 40
+    Case(h=8, h_kv=2, sq=129, sk=1000),    # GQA 4
+    Case(h=4, h_kv=1, sq=1000, sk=129),    # MQA, the last KV tile cut at 129 keys
+    Case(h=2, h_kv=2, sq=80, sk=80),       # exactly one query tile
+    Case(h=2, h_kv=1, sq=1, sk=17),
+    Case(FP16, 128, h=4, h_kv=2, sq=333, sk=555),
+    Case(h=8, h_kv=2, lens_q=(300, 0, 1000, 17, 81), lens_k=(129, 5, 1000, 17, 80)),
+    Case(h=4, h_kv=4, lens_q=(80, 1, 161), lens_k=(80, 300, 161)),
+]
+
+
+@pytest.mark.parametrize("dq_order", ["after_dkv", "after_dv", "before_dk"])
+@pytest.mark.parametrize("per_wg", [False, True], ids=["joint", "per_wg"])
+@pytest.mark.parametrize("case", M80_CASES, ids=str)
+def test_backward_80_query_rows_with_swapped_dq(case, per_wg, dq_order, monkeypatch):
+    """BwdConfig(tile_m=80, dq_swapped=True) forced at head dim 128 (S^T, dP^T and dQ^T
+    m64n80, dS stored queries x keys, dQ_accum in the dQ^T fragment's order and the
+    postprocess's transposed store), with the joint or the per-warpgroup dQ hand-off and
+    dQ^T's WGMMA after dV and dK, after dV under dK, or before dK (BwdConfig.dq_order): the
+    accuracy rule of every backward test, and bit-identical deterministic gradients on the
+    GQA cases (the turn counters per 80-row query block; always the joint hand-off)."""
+    import dataclasses
+
+    from cute_attn import config, launcher
+
+    forced = config.BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_order=dq_order)
+    calls = []
+
+    def bwd_config_for(head_dim, features, deterministic=False, max_seqlen_q=0):
+        calls.append(head_dim)
+        return forced if deterministic or not per_wg else dataclasses.replace(forced, dq_handoff_per_wg=True)
+
+    monkeypatch.setattr(launcher, "bwd_config_for", bwd_config_for)
+    q, k, v, dout, cu = make_inputs(case, seed=5)
+    check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
+    assert calls, "the forced config never reached the launcher"
+    if case.h != case.h_kv and not per_wg:
+        g1 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
+        g2 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2)), "deterministic m80 gradients differ"
+        check_grads(case, q, k, v, cu, dout, g1)
+
+
 # Persistent forward grids (config.FwdConfig.persistent_ctas): a few CTAs walking many
 # tiles each, so every ring (Q, K, V) and the ping-pong turns run on across tiles; tiles
 # with no visible key (sq > sk, causal) sit between tiles with keys.

@@ -8,7 +8,9 @@ Layout: per (batch, head), one chunk of tile_m * head_dim floats per query block
 query block order. Varlen batches pad each sequence to whole query tiles
 (blocks/seqlen.py: SeqlenInfo.padded_m_block_offset). Inside a chunk, the values are in
 the register order of the dQ WGMMA's accumulator fragment (`offset`), so each thread's
-stores are conflict-free and a warp's stores fill contiguous bytes.
+stores are conflict-free and a warp's stores fill contiguous bytes. With
+BwdConfig.dq_swapped that WGMMA computes dQ^T (`mma_shape`): the chunk holds the dQ^T
+fragment's order, and the postprocess, building the same MMA, stores it transposed.
 """
 
 import cutlass
@@ -21,13 +23,19 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cute_attn.blocks import mma_sm90
 
 
-def make_dq_mma(dtype, head_dim: int, num_warpgroups: int, tile_m: int) -> cute.TiledMma:
+def make_dq_mma(dtype, head_dim: int, num_warpgroups: int, tile_m: int, swapped: bool = False) -> cute.TiledMma:
     """dQ = dS K for one query tile: M = tile_m, N = head_dim, K = tile_n; A (dS) is
     MN-major in smem, B (K^T) MN-major. With 64 query rows per warpgroup the warpgroups
     stack along M, each a whole-head-dim WGMMA; otherwise they split N (head_dim /
     num_warpgroups columns each). At head dim 64 the N split ran 64 x 32 WGMMAs, which
     read their smem operands for half the work of 64 x 64 ones (FlashAttention-4 splits
-    the queries there)."""
+    the queries there).
+
+    swapped (BwdConfig.dq_swapped): dQ^T = K^T dS^T, M = head_dim (the warpgroups stacked,
+    64 rows each, head_dim / (64 * num_warpgroups) M repeats), N = tile_m, any multiple of
+    8; A (K^T) MN-major, B (dS, queries x keys) K-major."""
+    if swapped:
+        return mma_sm90.make_tiled_mma(dtype, OperandMajorMode.K, tile_m, num_warpgroups, a_major=OperandMajorMode.MN)
     if num_warpgroups > 1 and tile_m == 64 * num_warpgroups:
         return mma_sm90.make_tiled_mma(dtype, OperandMajorMode.MN, head_dim, num_warpgroups,
                                        a_major=OperandMajorMode.MN)
@@ -35,6 +43,11 @@ def make_dq_mma(dtype, head_dim: int, num_warpgroups: int, tile_m: int) -> cute.
         dtype, OperandMajorMode.MN, head_dim // num_warpgroups, num_warpgroups,
         a_major=OperandMajorMode.MN, warpgroups_along_n=True,
     )
+
+
+def mma_shape(tile_m: int, head_dim: int, swapped: bool) -> tuple:
+    """(M, N) of make_dq_mma's product: dQ's (tile_m, head_dim), or dQ^T's when swapped."""
+    return (head_dim, tile_m) if swapped else (tile_m, head_dim)
 
 
 def offset(i: int, tidx, regs: int):

@@ -21,25 +21,29 @@ def acc_to_smem(
     tidx,
     dtype: cutlass.Constexpr,
     scale: Optional[Float32] = None,
+    transpose: cutlass.Constexpr[bool] = False,
 ):
     """Convert this thread's fp32 accumulator slice (times scale) to dtype and store it
-    into the row-major swizzled tile sX with stmatrix. The caller fences
-    (fence_view_async_shared) and synchronises before a TMA or WGMMA reads sX."""
+    into the row-major swizzled tile sX with stmatrix (transpose: see regs_to_smem). The
+    caller fences (fence_view_async_shared) and synchronises before a TMA or WGMMA reads sX."""
     rX = cute.make_rmem_tensor_like(acc, dtype)
     if cutlass.const_expr(scale is None):
         rX.store(acc.load().to(dtype))
     else:
         rX.store((acc.load() * scale).to(dtype))
-    regs_to_smem(rX, sX, tiled_mma, tidx)
+    regs_to_smem(rX, sX, tiled_mma, tidx, transpose)
 
 
 @cute.jit
-def regs_to_smem(rX: cute.Tensor, sX: cute.Tensor, tiled_mma: cute.TiledMma, tidx):
+def regs_to_smem(
+    rX: cute.Tensor, sX: cute.Tensor, tiled_mma: cute.TiledMma, tidx, transpose: cutlass.Constexpr[bool] = False
+):
     """Store registers already in the tile's dtype, laid out like tiled_mma's accumulator,
-    into the row-major swizzled tile sX with stmatrix."""
-    store_atom = sm90_helpers.get_smem_store_op(
-        cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, rX.element_type, Float32
-    )
+    into the row-major swizzled tile sX with stmatrix. transpose: sX is the (M, N) view of
+    a tile stored the other way round, M contiguous (mma_sm90.transpose_view of a row-major
+    N x M tile), written with stmatrix .trans."""
+    layout = cutlass.tensor_utils.LayoutEnum.COL_MAJOR if transpose else cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
+    store_atom = sm90_helpers.get_smem_store_op(layout, rX.element_type, Float32)
     thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma).get_slice(tidx)
     cute.copy(store_atom, thr_store.retile(rX), thr_store.partition_D(sX))
 

@@ -101,6 +101,7 @@ class BwdPostprocess:
         self.tile_m = config.tile_m
         self.split_d = config.split_d
         self.dq_wgs = config.dq_warpgroups  # the main kernel's dQ layout: see BwdConfig.dq_warpgroups
+        self.dq_swapped = config.dq_swapped  # its dQ^T fragment order: see BwdConfig.dq_swapped
         self.num_threads = 128 * self.dq_wgs
         self.scheduler = TileScheduler(self.tile_m, self.varlen)
 
@@ -115,7 +116,7 @@ class BwdPostprocess:
         stream,
     ):
         d = self.head_dim
-        tiled_mma_dq = dq_accum.make_dq_mma(self.dtype, d, self.dq_wgs, self.tile_m)
+        tiled_mma_dq = dq_accum.make_dq_mma(self.dtype, d, self.dq_wgs, self.tile_m, self.dq_swapped)
         sdQ_layout = mma_sm90.make_smem_layout(self.out_dtype, self.tile_m, d,
                                                atom_cols=d // self.dq_wgs if self.split_d else None)
 
@@ -150,14 +151,20 @@ class BwdPostprocess:
             chunk = dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block)
             base = chunk * (self.tile_m * self.head_dim)
             acc = cute.make_rmem_tensor(
-                tiled_mma_dq.get_slice(tidx).partition_shape_C((self.tile_m, self.head_dim)), Float32
+                tiled_mma_dq.get_slice(tidx).partition_shape_C(
+                    dq_accum.mma_shape(self.tile_m, self.head_dim, self.dq_swapped)), Float32
             )
             for i in cutlass.range_constexpr(cute.size(acc)):
                 acc[i] = mdQaccum[seqlen.batch, head, base + dq_accum.offset(i, tidx, cute.size(acc))]
             # then out like the forward's O: scaled, converted, stmatrix to shared memory,
             # and 16-byte row stores (2-byte scattered stores from the fragment ran at a
-            # fifth of the memory bandwidth: 315 us for 200 MB on an H100)
-            epilogue.acc_to_smem(acc, sdQ, tiled_mma_dq, tidx, self.out_dtype, scale=softmax_scale)
+            # fifth of the memory bandwidth: 315 us for 200 MB on an H100); a dQ^T fragment
+            # (dq_swapped) goes in by stmatrix .trans through sdQ's transposed view
+            if cutlass.const_expr(self.dq_swapped):
+                epilogue.acc_to_smem(acc, mma_sm90.transpose_view(sdQ), tiled_mma_dq, tidx, self.out_dtype,
+                                     scale=softmax_scale, transpose=True)
+            else:
+                epilogue.acc_to_smem(acc, sdQ, tiled_mma_dq, tidx, self.out_dtype, scale=softmax_scale)
             cute.arch.sync_threads()
             gdQ = cute.local_tile(seqlen.rows_q(mdQ, head), (self.tile_m, self.head_dim), (m_block, 0))
             epilogue.store_rows(sdQ, gdQ, seqlen.seqlen_q - m_block * self.tile_m, tidx, self.num_threads)

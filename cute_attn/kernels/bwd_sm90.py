@@ -14,7 +14,10 @@ dS as their A operand (dV += P^T dO and dK += dS^T Q) take them straight from re
   dV  += P^T dO         (A = P^T registers, B = dO^T view of the dO tile)
   dK  += dS^T Q         (A = dS^T registers, B = Q^T view)
   dQ   = dS K           (A = dS^T written to smem, read MN-major; B = K^T view)
-LSE2 and D are per query, i.e. per column of the S^T tile.
+LSE2 and D are per query, i.e. per column of the S^T tile. BwdConfig.dq_swapped (an
+experiment: 80 queries per step, which dQ's M cannot take) computes dQ^T = K^T dS^T
+instead (A = K^T view, B = dS written to smem queries x keys by stmatrix .trans), and
+dQ_accum holds the dQ^T fragment's order (blocks/dq_accum.py).
 
 Warp roles (128 * (1 + BwdConfig.num_mma_warpgroups) threads):
   * warpgroup 0, the producer (setmaxnreg 24): warp 0 issues the TMA loads (K and V once;
@@ -123,7 +126,7 @@ from cute_attn.blocks.tma_pipeline import (
     tma_partition,
 )
 from cute_attn.blocks.views import bshd_as_sdhb, rowwise_as_rhb
-from cute_attn.config import AttnFeatures, BwdConfig, DtypePolicy
+from cute_attn.config import SM90_SMEM_BYTES, AttnFeatures, BwdConfig, DtypePolicy
 
 
 class BwdGlobals(NamedTuple):
@@ -237,6 +240,18 @@ class FlashBwdSm90:
         self.dq_handoff_per_wg = config.dq_handoff_per_wg  # see BwdConfig.dq_handoff_per_wg
         if self.dq_handoff_per_wg and deterministic:
             raise ValueError("the deterministic backward orders whole dQ chunks: no dq_handoff_per_wg")
+        self.dq_swapped = config.dq_swapped  # see BwdConfig.dq_swapped
+        self.dq_order = config.dq_order  # see BwdConfig.dq_order (dq_swapped only)
+        if self.dq_swapped:
+            # the per-element paths (masks, softcap, mods, dropout) and the mods' kernel (a
+            # sink too) are not tested with it: an experiment for the unmasked backward
+            if features.mask != "none" or features.softcap or features.mod_kernel:
+                raise ValueError(f"dq_swapped takes the unmasked backward only, got {features}")
+            if head_dim % (64 * self.dq_wgs):
+                raise ValueError(f"dq_swapped needs head_dim a multiple of 64 per dQ warpgroup (the M of "
+                                 f"dQ^T), got head_dim {head_dim} with {self.dq_wgs} dQ warpgroups")
+        # LSE2 and D chunks: each stage's at a 128-byte boundary (a TMA destination)
+        self.stats_stride = -(-self.tile_m // 32) * 32
         # one CTA per (KV block, KV head, batch). n_block 0 sees the most
         # query blocks under a causal mask, and grid order already launches it first.
         self.scheduler = TileScheduler(self.tile_n, features.varlen)
@@ -293,8 +308,10 @@ class FlashBwdSm90:
         layouts = BwdLayouts(
             sQ=mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages, atom_cols=half_atoms),
             sK=mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, atom_cols=half_atoms),
-            # dS^T stored keys x queries with queries contiguous: read back MN-major as dS's A
-            sdS=mma_sm90.make_smem_layout(self.p_dtype, self.tile_n, self.tile_m,
+            # dS^T stored keys x queries with queries contiguous: read back MN-major as dS's A;
+            # dq_swapped: dS stored queries x keys, keys contiguous, dQ^T's K-major B (a row
+            # of 80 queries would take only 32-byte swizzle atoms)
+            sdS=mma_sm90.make_smem_layout(self.p_dtype, *self.sds_shape(),
                                           self.ds_stages if self.ds_stages > 1 else None),
             # dK / dV leave through sK / sV, seen as tile_n x head_dim tiles
             sdKV=mma_sm90.make_smem_layout(self.out_dtype, self.tile_n, d, atom_cols=half_atoms),
@@ -309,7 +326,7 @@ class FlashBwdSm90:
                 self.p_dtype, OperandMajorMode.MN, d // wgs if self.split_d else d, wgs,
                 a_in_registers=not self.split_d, warpgroups_along_n=self.split_d,
             ),
-            mma_dq=dq_accum.make_dq_mma(self.p_dtype, d, self.dq_wgs, self.tile_m),
+            mma_dq=dq_accum.make_dq_mma(self.p_dtype, d, self.dq_wgs, self.tile_m, self.dq_swapped),
         )
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         q_tile = cute.select(layouts.sQ, mode=[0, 1])
@@ -339,8 +356,8 @@ class FlashBwdSm90:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.num_stages], 128]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.stats_stride * self.num_stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.stats_stride * self.num_stages], 128]
             if cutlass.const_expr(not self.dq_atomic):  # dQ atomics need no staging tile
                 sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
@@ -352,6 +369,9 @@ class FlashBwdSm90:
                 sP: cute.struct.Align[cute.struct.MemRange[self.p_dtype, cute.cosize(layouts.sdS)], 1024]
 
         self.shared_storage = SharedStorage
+        if cutlass.const_expr(SharedStorage.size_in_bytes() > SM90_SMEM_BYTES):  # the launch would fail
+            raise ValueError(f"the backward's shared memory ({SharedStorage.size_in_bytes()} bytes) exceeds "
+                             f"the {SM90_SMEM_BYTES} of a CTA: fewer stages or sdS buffers")
 
         score = fold_score_scale(softmax_scale, softcap, self.features.softcap, self.features.score_mod is not None)
         # one CTA per KV block: the grid tiles K's rows
@@ -377,14 +397,14 @@ class FlashBwdSm90:
         )
         pipeline_init_arrive(is_relaxed=True)
 
-        stats_layout = cute.make_layout((self.tile_m, self.num_stages))
+        stats_layout = cute.make_layout((self.tile_m, self.num_stages), stride=(1, self.stats_stride))
         sQ_l, sK_l, sdS_l, sdKV_l = layouts.sQ, layouts.sK, layouts.sdS, layouts.sdKV
         smem = BwdSmem(
             q=storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner),
             do=storage.sdO.get_tensor(sQ_l.outer, swizzle=sQ_l.inner),
             k=storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner),
             v=storage.sV.get_tensor(sK_l.outer, swizzle=sK_l.inner),
-            ds=storage.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner),
+            ds=self.keys_by_queries(storage.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)),
             lse2=storage.sLSE2.get_tensor(stats_layout),
             dsum=storage.sD.get_tensor(stats_layout),
             dq=None if self.dq_atomic else storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim)),
@@ -605,8 +625,9 @@ class FlashBwdSm90:
             tdVrdO=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.do))),
             tdKrQ=wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(mma_sm90.transpose_view(smem.q))),
             # (with ds_stages 2, a last mode for the sdS buffer: indexed by the step's stage)
-            tdQrdS=wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(mma_sm90.transpose_view(smem.ds))),
-            tdQrK=wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(mma_sm90.transpose_view(smem.k))),
+            # dQ's A = dS and B = K^T; dq_swapped: dQ^T's A = K^T and B = dS (step swaps them)
+            tdQrdS=self.dq_fragment(wg_mma_dq, mma_sm90.transpose_view(smem.ds), is_a=not self.dq_swapped),
+            tdQrK=self.dq_fragment(wg_mma_dq, mma_sm90.transpose_view(smem.k), is_a=self.dq_swapped),
             acc_dV=cute.make_rmem_tensor(dkv_shape, Float32),
             acc_dK=cute.make_rmem_tensor(dkv_shape, Float32),
             tdVrP=wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(smem.p)) if self.split_d else None,
@@ -791,6 +812,9 @@ class FlashBwdSm90:
         rdS = cute.make_rmem_tensor_like(acc_dP, self.p_dtype)
         rdS.store(acc_dP.load().to(self.p_dtype))
 
+        # dq_swapped's BwdConfig.dq_order: dK's WGMMA issued after dQ^T's (the store of
+        # dQ^T to sdQ then runs under it)
+        dk_after_dq = self.dq_swapped and self.dq_order in ("before_dk", "fa4")
         if cutlass.const_expr(self.split_d):
             # P^T and dS^T to smem: every warpgroup's dV/dK needs all keys x all queries
             self.wait_ds_free()
@@ -801,7 +825,8 @@ class FlashBwdSm90:
             mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, ops.tdVrP, ops.tdVrdO[None, None, None, stage], wait_groups=-1)
         else:
             mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, mma_sm90.acc_as_operand_a(rP), ops.tdVrdO[None, None, None, stage], wait_groups=-1)
-            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
+            if cutlass.const_expr(not dk_after_dq):
+                self.mma_dk(ops, tiled_mma_dkv, rdS, stage)
 
             # dS^T to shared memory for dQ = dS K, which needs every warpgroup's keys
             sdS = smem.ds
@@ -809,18 +834,42 @@ class FlashBwdSm90:
                 sdS = smem.ds[None, None, stage]  # free: read by the dQ of two steps back
             else:
                 self.wait_ds_free()
-            epilogue.regs_to_smem(rdS, sdS, tiled_mma_sdp, tidx)
+            epilogue.regs_to_smem(rdS, sdS, tiled_mma_sdp, tidx, transpose=self.dq_swapped)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
 
-        if wg_idx < self.dq_wgs:
-            acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        # with dq_swapped and every warpgroup computing dQ^T, no run-time branch: with it,
+        # ptxas spilled 12 bytes for "after_dv" (a reload per step) and serialised every
+        # WGMMA of the kernel for "before_dk" (C7512)
+        is_dq_wg = wg_idx < self.dq_wgs
+        if cutlass.const_expr(self.dq_swapped and self.dq_wgs == self.num_mma_wg):
+            is_dq_wg = True
+        if is_dq_wg:
+            dq_shape = dq_accum.mma_shape(self.tile_m, self.head_dim, self.dq_swapped)
+            acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C(dq_shape), Float32)
             tdQrdS = ops.tdQrdS
             if cutlass.const_expr(self.ds_stages > 1):
                 tdQrdS = ops.tdQrdS[None, None, None, stage]
             if cutlass.const_expr(self.split_d):
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
                 mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, ops.tdKrdS, ops.tdKrQ[None, None, None, stage], wait_groups=1)
+            elif cutlass.const_expr(self.dq_swapped and self.dq_order == "after_dkv"):
+                # dV and dK have read P^T and dS^T before dQ^T's accumulator is live: with
+                # P^T, dS^T (20 registers each at 80 queries), dK, dV (128) and dQ^T (40)
+                # all held, ptxas serialised every WGMMA of the kernel (C7512; "fa4" below)
+                warpgroup.wait_group(0)
+                mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=0)
+            elif cutlass.const_expr(self.dq_swapped and self.dq_order == "after_dv"):
+                warpgroup.wait_group(1)  # dV's: P^T free; dK still reads dS^T
+                mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=0)
+            elif cutlass.const_expr(self.dq_swapped):
+                if cutlass.const_expr(self.dq_order == "before_dk"):
+                    warpgroup.wait_group(0)  # dV's: P^T free before dQ^T's accumulator is live
+                    mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=-1)
+                else:  # "fa4": dQ^T issued under dV, which holds P^T until the wait (C7512)
+                    mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=1)
+                self.mma_dk(ops, tiled_mma_dkv, rdS, stage)
+                warpgroup.wait_group(1)  # dQ^T's; dK runs under its store to sdQ
             else:
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=0)
             if cutlass.const_expr(self.ds_stages > 1):
@@ -835,12 +884,14 @@ class FlashBwdSm90:
                 for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                     smem.dq[dq_accum.offset(i, tidx, cute.size(acc_dQ))] = acc_dQ[i]
                 cute.arch.fence_view_async_shared()
-            if cutlass.const_expr(self.split_d):
+            if cutlass.const_expr(self.split_d or dk_after_dq):
                 # dK's WGMMA reads this stage's Q and sdS: done before the stage
                 # is released below and before sdS is rewritten (the local compile caught
                 # its absence)
                 warpgroup.wait_group(0)
         else:
+            if cutlass.const_expr(dk_after_dq and self.dq_wgs < self.num_mma_wg):
+                self.mma_dk(ops, tiled_mma_dkv, rdS, stage)
             warpgroup.wait_group(0)
         # every WGMMA reading this stage's Q and dO has completed, and this thread's loads
         # of its LSE2 and D are done (release_after_loads says why it syncs the warp)
@@ -848,6 +899,27 @@ class FlashBwdSm90:
         if cutlass.const_expr(not self.dq_atomic):
             own = self.dq_handoff(wg_idx if cutlass.const_expr(self.dq_handoff_per_wg) else 0)
             cute.arch.barrier_arrive(barrier_id=own.full, number_of_threads=own.threads)
+
+    @staticmethod
+    def mma_dk(ops: StepOperands, tiled_mma_dkv, rdS, stage):
+        """dK += dS^T Q, dS^T from this warpgroup's registers, issued and committed."""
+        mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, mma_sm90.acc_as_operand_a(rdS), ops.tdKrQ[None, None, None, stage], wait_groups=-1)
+
+    def sds_shape(self) -> tuple:
+        """sdS's stored (rows, cols): dS^T's (tile_n, tile_m), or with dq_swapped dS's."""
+        return (self.tile_m, self.tile_n) if self.dq_swapped else (self.tile_n, self.tile_m)
+
+    def keys_by_queries(self, sdS: cute.Tensor) -> cute.Tensor:
+        """sdS as stored (sds_shape) seen as dS^T, (tile_n, tile_m[, buffers]), the shape
+        its writes (regs_to_smem, transposed with dq_swapped) and reads partition."""
+        return mma_sm90.transpose_view(sdS) if self.dq_swapped else sdS
+
+    @staticmethod
+    def dq_fragment(wg_mma_dq, t: cute.Tensor, is_a: bool) -> cute.Tensor:
+        """A WGMMA descriptor fragment of the dQ MMA's A (is_a) or B operand from t."""
+        if is_a:
+            return wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(t))
+        return wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(t))
 
     @cute.jit
     def in_sequence(self, m_block, seqlen: SeqlenInfo):
