@@ -689,13 +689,13 @@ class BwdConfig(_WarpSpecialized):
     # per step make S^T, dP^T and dQ^T m64n80 WGMMAs (FlashAttention-4's Hopper choice at
     # head dim 128 without a mask). sdS then holds dS (queries x keys, keys contiguous: a
     # K-major B operand), written from the S^T-shaped registers by stmatrix .trans; dQ_accum
-    # keeps the dQ^T accumulator's fragment order (blocks/dq_accum.py). An experiment, off
-    # everywhere (bwd_config_for): the unmasked backward only (FlashBwdSm90 refuses masks,
-    # softcap, the mods' kernel: mods, dropout, a sink), head dims a multiple of 64 per dQ
-    # warpgroup; not measured (perf/NOTES.md, session 28).
+    # keeps the dQ^T accumulator's fragment order (blocks/dq_accum.py). The unmasked
+    # backward only (FlashBwdSm90 refuses masks, softcap, the mods' kernel: mods, dropout,
+    # a sink), head dims a multiple of 64 per dQ warpgroup. bwd_config_for takes it at head
+    # dim 128 without a mask (swapped_dq_bwd_config; measured, perf/NOTES.md session 29).
     dq_swapped: bool = False
     # With dq_swapped: where dQ^T's WGMMA goes among dV's and dK's (both issued after the
-    # step's dS^T; an experiment, perf/NOTES.md session 28). P^T (dV's A), dS^T (dK's A),
+    # step's dS^T; perf/NOTES.md sessions 28-29: "before_dk" measured fastest). P^T (dV's A), dS^T (dK's A),
     # dV, dK and dQ^T's accumulator cannot all be held at once without spilling.
     #   "after_dkv"  dV, dK; wait for both; dQ^T; wait; dQ^T to sdQ (nothing overlaps the
     #                dQ^T store)
@@ -755,6 +755,19 @@ def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:
 DQ_HANDOFF_PER_WG_FROM_QUERIES = 4096
 
 
+def swapped_dq_bwd_config() -> BwdConfig:
+    """Head dim 128 without a mask: 80 query rows per step with dQ^T = K^T dS^T
+    (dq_swapped), dQ^T issued before dK so its store to sdQ runs under dK ("before_dk"),
+    two sdS buffers and the per-warpgroup dQ hand-off. Measured against the 64-row
+    per-warpgroup / joint default it replaced (H200, 16K tokens, 5 interleaved rounds,
+    perf/NOTES.md session 29): +3.5% at 1K, +7% at 2K, +3% at 4K, +6% at 8K, +10% at 16K;
+    the joint hand-off with the same order gained +1..+5% over the old default. Not with a
+    mask, softcap, mods, dropout or a sink (FlashBwdSm90 refuses them with dq_swapped),
+    nor deterministic (its turns order whole dQ chunks; not measured)."""
+    return BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_order="before_dk",
+                     dq_handoff_per_wg=True)
+
+
 def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = False,
                    max_seqlen_q: int = 0) -> BwdConfig:
     """FlashAttention-3's Hopper choice as a start: 64 x 128 tiles, 2 stages. At head dim
@@ -784,6 +797,8 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     slower where the sequences are short)."""
     plain = not (features.local or features.softcap or features.has_mods or features.dropout)
     sds_buffers = 2 if plain and not features.sink else 1
+    if head_dim == 128 and features.mask == "none" and sds_buffers == 2 and not deterministic:
+        return swapped_dq_bwd_config()
     per_wg = (head_dim in (64, 128) and sds_buffers == 2 and not deterministic
               and max_seqlen_q >= DQ_HANDOFF_PER_WG_FROM_QUERIES)
     if per_wg:

@@ -19,6 +19,8 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     dqjoint  the default with the joint dQ hand-off (the per-warpgroup one is the default
              from config.DQ_HANDOFF_PER_WG_FROM_QUERIES rows)
     copy     the default itself (at each length), timed again: the run's noise floor
+    m64      the 64-row default (at head dim 128 without a mask the config that
+             swapped_dq_bwd_config replaced in session 29; elsewhere the default)
     m80      80 query rows per step and dQ^T = K^T dS^T (BwdConfig.dq_swapped; head dim 128
              without a mask), two sdS buffers, the joint dQ hand-off; dQ^T after dV and dK
              (BwdConfig.dq_order "after_dkv")
@@ -44,9 +46,20 @@ def _default(d, f, s):
     return config.bwd_config_for(d, f, max_seqlen_q=s)
 
 
+def _m64(d, f, s):
+    """The default with 64 query rows per step: at head dim 128 without a mask, where the
+    default is config.swapped_dq_bwd_config (80 rows, session 29), the config it replaced
+    (two sdS buffers, the per-warpgroup hand-off from DQ_HANDOFF_PER_WG_FROM_QUERIES rows)."""
+    cfg = _default(d, f, s)
+    if cfg.dq_swapped:
+        cfg = config.BwdConfig(tile_m=64, tile_n=128, num_stages=2, ds_stages=2,
+                               dq_handoff_per_wg=s >= config.DQ_HANDOFF_PER_WG_FROM_QUERIES)
+    return cfg
+
+
 def _joint(d, f, s):
-    """The default with the joint dQ hand-off (what dq_atomic and one sdS buffer need)."""
-    return dataclasses.replace(_default(d, f, s), dq_handoff_per_wg=False)
+    """The 64-row default with the joint dQ hand-off (what dq_atomic and one sdS buffer need)."""
+    return dataclasses.replace(_m64(d, f, s), dq_handoff_per_wg=False)
 
 
 VARIANTS = {  # (head dim, features, query rows) -> a forced config, or None where it does not apply
@@ -55,13 +68,14 @@ VARIANTS = {  # (head dim, features, query rows) -> a forced config, or None whe
     "atomic3": lambda d, f, s: (dataclasses.replace(_joint(d, f, s), dq_atomic=True, num_stages=3,
                                                     ds_stages=1) if d <= 128 else None),
     "ds1": lambda d, f, s: dataclasses.replace(_joint(d, f, s), ds_stages=1) if d <= 128 else None,
-    "ds2": lambda d, f, s: (dataclasses.replace(_default(d, f, s), ds_stages=2)
+    "ds2": lambda d, f, s: (dataclasses.replace(_m64(d, f, s), ds_stages=2)
                             if d <= 128 and d != 96 else None),  # 96: one dQ warpgroup, no second sdS
-    "dplate": lambda d, f, s: dataclasses.replace(_default(d, f, s), dp_wait_after_exp2=True),
-    "dqwg": lambda d, f, s: (dataclasses.replace(_default(d, f, s), ds_stages=2, dq_handoff_per_wg=True)
+    "dplate": lambda d, f, s: dataclasses.replace(_m64(d, f, s), dp_wait_after_exp2=True),
+    "dqwg": lambda d, f, s: (dataclasses.replace(_m64(d, f, s), ds_stages=2, dq_handoff_per_wg=True)
                              if d in (64, 128) else None),
     "dqjoint": lambda d, f, s: _joint(d, f, s),
     "copy": lambda d, f, s: _default(d, f, s),
+    "m64": lambda d, f, s: _m64(d, f, s),
 }
 
 

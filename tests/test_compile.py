@@ -287,7 +287,9 @@ def test_backward_head_dim_64_takes_128_query_rows_unless_window_or_softcap():
     assert bwd_config_for(64, AttnFeatures(mask="causal")).tile_m == 128
     assert bwd_config_for(64, AttnFeatures(mask="local")).tile_m == 64
     assert bwd_config_for(64, AttnFeatures(softcap=True)).tile_m == 64
-    assert bwd_config_for(128, AttnFeatures()).tile_m == 64
+    assert bwd_config_for(128, AttnFeatures(mask="causal")).tile_m == 64
+    # head dim 128 without a mask: 80 rows with dQ transposed (swapped_dq_bwd_config)
+    assert bwd_config_for(128, AttnFeatures()).tile_m == 80
 
 
 # ---- split-KV: the scheduler's run-time split, BlockRange's clipping, fp32 partials ----
@@ -746,6 +748,8 @@ def test_backward_hands_dq_over_per_warpgroup_from_long_queries():
 
     for d in (64, 96, 128, 256):
         for mask in ("none", "causal", "local"):
+            if (d, mask) == (128, "none"):
+                continue  # swapped_dq_bwd_config at every length (the test below)
             short = bwd_config_for(d, AttnFeatures(mask=mask), max_seqlen_q=long - 1)
             assert short == bwd_config_for(d, AttnFeatures(mask=mask)) and not short.dq_handoff_per_wg
             cfg = bwd_config_for(d, AttnFeatures(mask=mask), max_seqlen_q=long)
@@ -755,6 +759,28 @@ def test_backward_hands_dq_over_per_warpgroup_from_long_queries():
     for features in (AttnFeatures(softcap=30.0), AttnFeatures(dropout=True), AttnFeatures(sink=True)):
         assert not bwd_config_for(128, features, max_seqlen_q=long).dq_handoff_per_wg
     assert not bwd_config_for(128, AttnFeatures(), deterministic=True, max_seqlen_q=long).dq_handoff_per_wg
+
+
+def test_backward_head_dim_128_without_a_mask_takes_80_rows_and_swapped_dq():
+    """bwd_config_for's session-29 choice: head dim 128 with no mask (dense or varlen, GQA
+    alike) takes swapped_dq_bwd_config at every query length; a mask, softcap, dropout, a
+    sink, mods or the deterministic backward keep the 64-row tiles."""
+    from cute_attn.config import DQ_HANDOFF_PER_WG_FROM_QUERIES as long
+    from cute_attn.config import swapped_dq_bwd_config
+
+    swapped = swapped_dq_bwd_config()
+    assert (swapped.tile_m, swapped.dq_swapped, swapped.dq_order, swapped.ds_stages) == (80, True, "before_dk", 2)
+    for features in (AttnFeatures(), AttnFeatures(varlen=True)):
+        for s in (0, 1024, long, 4 * long):
+            assert bwd_config_for(128, features, max_seqlen_q=s) == swapped
+    for features in (AttnFeatures(mask="causal"), AttnFeatures(mask="local"), AttnFeatures(softcap=True),
+                     AttnFeatures(dropout=True), AttnFeatures(sink=True)):
+        cfg = bwd_config_for(128, features, max_seqlen_q=long)
+        assert not cfg.dq_swapped and cfg.tile_m == 64, features
+    cfg = bwd_config_for(128, AttnFeatures(), deterministic=True)
+    assert not cfg.dq_swapped and cfg.tile_m == 64
+    for d in (64, 96, 192, 256):
+        assert not bwd_config_for(d, AttnFeatures()).dq_swapped
 
 
 @pytest.mark.parametrize("head_dim, mask", [(64, "none"), (128, "causal")])
