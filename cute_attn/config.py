@@ -689,10 +689,10 @@ class BwdConfig(_WarpSpecialized):
     # per step make S^T, dP^T and dQ^T m64n80 WGMMAs (FlashAttention-4's Hopper choice at
     # head dim 128 without a mask). sdS then holds dS (queries x keys, keys contiguous: a
     # K-major B operand), written from the S^T-shaped registers by stmatrix .trans; dQ_accum
-    # keeps the dQ^T accumulator's fragment order (blocks/dq_accum.py). The unmasked
-    # backward only (FlashBwdSm90 refuses masks, softcap, the mods' kernel: mods, dropout,
-    # a sink), head dims a multiple of 64 per dQ warpgroup. bwd_config_for takes it at head
-    # dim 128 without a mask (swapped_dq_bwd_config; measured, perf/NOTES.md session 29).
+    # keeps the dQ^T accumulator's fragment order (blocks/dq_accum.py). No mask or causal
+    # only (FlashBwdSm90 refuses a window, softcap, the mods' kernel: mods, dropout, a
+    # sink), head dims a multiple of 64 per dQ warpgroup. bwd_config_for takes it at head
+    # dim 128 (swapped_dq_bwd_config; measured, perf/NOTES.md session 29).
     dq_swapped: bool = False
     # With dq_swapped: where dQ^T's WGMMA goes among dV's and dK's (both issued after the
     # step's dS^T; perf/NOTES.md sessions 28-29: "before_dk" measured fastest). P^T (dV's A), dS^T (dK's A),
@@ -755,15 +755,21 @@ def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:
 DQ_HANDOFF_PER_WG_FROM_QUERIES = 4096
 
 
+# Causal head dim 128 takes swapped_dq_bwd_config from this many query rows (max_seqlen_q):
+# at 512 it measured -6% against the 64-row config, level at 1K, +1.5-5.5% from 2K (H200).
+SWAPPED_DQ_CAUSAL_FROM_QUERIES = 2048
+
+
 def swapped_dq_bwd_config() -> BwdConfig:
-    """Head dim 128 without a mask: 80 query rows per step with dQ^T = K^T dS^T
+    """Head dim 128 without a mask or causal: 80 query rows per step with dQ^T = K^T dS^T
     (dq_swapped), dQ^T issued before dK so its store to sdQ runs under dK ("before_dk"),
     two sdS buffers and the per-warpgroup dQ hand-off. Measured against the 64-row
-    per-warpgroup / joint default it replaced (H200, 16K tokens, 5 interleaved rounds,
-    perf/NOTES.md session 29): +3.5% at 1K, +7% at 2K, +3% at 4K, +6% at 8K, +10% at 16K;
-    the joint hand-off with the same order gained +1..+5% over the old default. Not with a
-    mask, softcap, mods, dropout or a sink (FlashBwdSm90 refuses them with dq_swapped),
-    nor deterministic (its turns order whole dQ chunks; not measured)."""
+    default it replaced (H200, 16K tokens, 5 interleaved rounds, perf/NOTES.md session
+    29), at 1K / 2K / 4K / 8K / 16K: no mask +3.5 / +7 / +3 / +6 / +10%, causal +1.3 / +5
+    / +1.5 / +3 / +5.5% (the noise floor 0-2%); at 512, no mask level, causal -6%
+    (SWAPPED_DQ_CAUSAL_FROM_QUERIES). Not with a window, softcap, mods, dropout or a sink
+    (FlashBwdSm90 refuses them with dq_swapped), nor deterministic (its turns order whole
+    dQ chunks; not measured)."""
     return BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_order="before_dk",
                      dq_handoff_per_wg=True)
 
@@ -797,7 +803,9 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     slower where the sequences are short)."""
     plain = not (features.local or features.softcap or features.has_mods or features.dropout)
     sds_buffers = 2 if plain and not features.sink else 1
-    if head_dim == 128 and features.mask == "none" and sds_buffers == 2 and not deterministic:
+    swapped_mask = features.mask == "none" or (
+        features.mask == "causal" and max_seqlen_q >= SWAPPED_DQ_CAUSAL_FROM_QUERIES)
+    if head_dim == 128 and swapped_mask and sds_buffers == 2 and not deterministic:
         return swapped_dq_bwd_config()
     per_wg = (head_dim in (64, 128) and sds_buffers == 2 and not deterministic
               and max_seqlen_q >= DQ_HANDOFF_PER_WG_FROM_QUERIES)

@@ -19,10 +19,10 @@ Variants (forced through launcher.bwd_config_for, where they apply to the head d
     dqjoint  the default with the joint dQ hand-off (the per-warpgroup one is the default
              from config.DQ_HANDOFF_PER_WG_FROM_QUERIES rows)
     copy     the default itself (at each length), timed again: the run's noise floor
-    m64      the 64-row default (at head dim 128 without a mask the config that
+    m64      the 64-row default (at head dim 128, no mask or causal, the config that
              swapped_dq_bwd_config replaced in session 29; elsewhere the default)
     m80      80 query rows per step and dQ^T = K^T dS^T (BwdConfig.dq_swapped; head dim 128
-             without a mask), two sdS buffers, the joint dQ hand-off; dQ^T after dV and dK
+             no mask or causal), two sdS buffers, the joint dQ hand-off; dQ^T after dV and dK
              (BwdConfig.dq_order "after_dkv")
     m80ds1   the same with one sdS buffer
     m80wg    m80 with the per-warpgroup dQ hand-off (at every length)
@@ -47,13 +47,14 @@ def _default(d, f, s):
 
 
 def _m64(d, f, s):
-    """The default with 64 query rows per step: at head dim 128 without a mask, where the
+    """The default with 64 query rows per step: at head dim 128 (no mask or causal), where the
     default is config.swapped_dq_bwd_config (80 rows, session 29), the config it replaced
     (two sdS buffers, the per-warpgroup hand-off from DQ_HANDOFF_PER_WG_FROM_QUERIES rows)."""
     cfg = _default(d, f, s)
     if cfg.dq_swapped:
-        cfg = config.BwdConfig(tile_m=64, tile_n=128, num_stages=2, ds_stages=2,
-                               dq_handoff_per_wg=s >= config.DQ_HANDOFF_PER_WG_FROM_QUERIES)
+        per_wg = s >= config.DQ_HANDOFF_PER_WG_FROM_QUERIES
+        cfg = config.BwdConfig(tile_m=64, tile_n=128, num_stages=2, ds_stages=2 if per_wg or f.mask == "none" else 1,
+                               dq_handoff_per_wg=per_wg)
     return cfg
 
 
@@ -83,7 +84,7 @@ def _m80(order, per_wg, ds_stages=2):
     """80 query rows with dQ^T (head dim 128 without a mask), from the joint default."""
     return lambda d, f, s: (dataclasses.replace(_joint(d, f, s), tile_m=80, dq_swapped=True, ds_stages=ds_stages,
                                                 dq_handoff_per_wg=per_wg, dq_order=order)
-                            if d == 128 and f.mask == "none" else None)
+                            if d == 128 and f.mask != "local" else None)
 
 
 VARIANTS.update({

@@ -208,6 +208,10 @@ CASES = (
          extra={"config": "m80bdk"}),
     Case("bwd-m80-before-dk-per-wg-varlen", nheads=4, nheads_kv=2, lengths=((0, 40), (150, 200), (277, 129)),
          extra={"config": "m80bdkwg"}),
+    # the same under the causal mask (an experiment, session 29): the diagonal cutting
+    # 80-row blocks at every offset against the 128-key tiles, rows with no visible key
+    Case("bwd-m80-causal-gqa", batch=2, seqlen_q=700, seqlen_k=600, nheads=8, nheads_kv=2, causal=True,
+         extra={"config": "m80bdkwg"}),
     Case("bwd-m80-after-dv-gqa", batch=2, seqlen_q=700, seqlen_k=900, nheads=8, nheads_kv=2,
          extra={"config": "m80adv"}),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too

@@ -154,7 +154,7 @@ def test_deterministic_backward_orders_dq_with_turn_counters():
     from cute_attn.config import bwd_config_for
 
     causal = AttnFeatures(mask="causal")
-    key = launcher.BwdKey("bf16", 128, causal, bwd_config_for(128, causal), deterministic=True)
+    key = launcher.BwdKey("bf16", 128, causal, bwd_config_for(128, causal, deterministic=True), deterministic=True)
     main = launcher.compile_bwd(key, "--keep-ptx")[1]
     text = main.__ptx__
     assert "ld.acquire.gpu.global" in text and "red.release.gpu.global.add" in text
@@ -287,9 +287,11 @@ def test_backward_head_dim_64_takes_128_query_rows_unless_window_or_softcap():
     assert bwd_config_for(64, AttnFeatures(mask="causal")).tile_m == 128
     assert bwd_config_for(64, AttnFeatures(mask="local")).tile_m == 64
     assert bwd_config_for(64, AttnFeatures(softcap=True)).tile_m == 64
-    assert bwd_config_for(128, AttnFeatures(mask="causal")).tile_m == 64
-    # head dim 128 without a mask: 80 rows with dQ transposed (swapped_dq_bwd_config)
+    # head dim 128, no mask or causal: 80 rows with dQ transposed (swapped_dq_bwd_config)
     assert bwd_config_for(128, AttnFeatures()).tile_m == 80
+    assert bwd_config_for(128, AttnFeatures(mask="causal")).tile_m == 64  # short queries
+    assert bwd_config_for(128, AttnFeatures(mask="causal"), max_seqlen_q=2048).tile_m == 80
+    assert bwd_config_for(128, AttnFeatures(mask="local")).tile_m == 64
 
 
 # ---- split-KV: the scheduler's run-time split, BlockRange's clipping, fp32 partials ----
@@ -748,7 +750,7 @@ def test_backward_hands_dq_over_per_warpgroup_from_long_queries():
 
     for d in (64, 96, 128, 256):
         for mask in ("none", "causal", "local"):
-            if (d, mask) == (128, "none"):
+            if d == 128 and mask != "local":
                 continue  # swapped_dq_bwd_config at every length (the test below)
             short = bwd_config_for(d, AttnFeatures(mask=mask), max_seqlen_q=long - 1)
             assert short == bwd_config_for(d, AttnFeatures(mask=mask)) and not short.dq_handoff_per_wg
@@ -761,24 +763,33 @@ def test_backward_hands_dq_over_per_warpgroup_from_long_queries():
     assert not bwd_config_for(128, AttnFeatures(), deterministic=True, max_seqlen_q=long).dq_handoff_per_wg
 
 
-def test_backward_head_dim_128_without_a_mask_takes_80_rows_and_swapped_dq():
-    """bwd_config_for's session-29 choice: head dim 128 with no mask (dense or varlen, GQA
-    alike) takes swapped_dq_bwd_config at every query length; a mask, softcap, dropout, a
-    sink, mods or the deterministic backward keep the 64-row tiles."""
+def test_backward_head_dim_128_takes_80_rows_and_swapped_dq():
+    """bwd_config_for's session-29 choice: head dim 128 with no mask (at every query length)
+    or causal (from SWAPPED_DQ_CAUSAL_FROM_QUERIES rows), dense or varlen, GQA alike, takes
+    swapped_dq_bwd_config; a window,
+    softcap, dropout, a sink, mods or the deterministic backward keep the 64-row tiles."""
     from cute_attn.config import DQ_HANDOFF_PER_WG_FROM_QUERIES as long
     from cute_attn.config import swapped_dq_bwd_config
 
     swapped = swapped_dq_bwd_config()
     assert (swapped.tile_m, swapped.dq_swapped, swapped.dq_order, swapped.ds_stages) == (80, True, "before_dk", 2)
+    from cute_attn.config import SWAPPED_DQ_CAUSAL_FROM_QUERIES as causal_from
+
     for features in (AttnFeatures(), AttnFeatures(varlen=True)):
         for s in (0, 1024, long, 4 * long):
             assert bwd_config_for(128, features, max_seqlen_q=s) == swapped
-    for features in (AttnFeatures(mask="causal"), AttnFeatures(mask="local"), AttnFeatures(softcap=True),
+    for features in (AttnFeatures(mask="causal"), AttnFeatures(mask="causal", varlen=True)):
+        for s in (causal_from, long, 4 * long):
+            assert bwd_config_for(128, features, max_seqlen_q=s) == swapped
+        for s in (0, causal_from - 1):  # short causal queries keep the 64-row tiles
+            assert bwd_config_for(128, features, max_seqlen_q=s).tile_m == 64
+    for features in (AttnFeatures(mask="local"), AttnFeatures(softcap=True), AttnFeatures(mask="causal", softcap=True),
                      AttnFeatures(dropout=True), AttnFeatures(sink=True)):
         cfg = bwd_config_for(128, features, max_seqlen_q=long)
         assert not cfg.dq_swapped and cfg.tile_m == 64, features
-    cfg = bwd_config_for(128, AttnFeatures(), deterministic=True)
-    assert not cfg.dq_swapped and cfg.tile_m == 64
+    for mask in ("none", "causal"):
+        cfg = bwd_config_for(128, AttnFeatures(mask=mask), deterministic=True)
+        assert not cfg.dq_swapped and cfg.tile_m == 64
     for d in (64, 96, 192, 256):
         assert not bwd_config_for(d, AttnFeatures()).dq_swapped
 

@@ -361,6 +361,45 @@ def test_backward_80_query_rows_with_swapped_dq(case, per_wg, dq_order, monkeypa
         assert all(torch.equal(a, b) for a, b in zip(g1, g2)), "deterministic m80 gradients differ"
         check_grads(case, q, k, v, cu, dout, g1)
 
+# The causal mask with 80-row steps (the diagonal cuts 80-row blocks at every offset mod 80
+# against the 128-key tiles): bottom-right alignment with more queries than keys, fewer,
+# and varlen with empty and one-key sequences
+M80_CAUSAL_CASES = [
+    Case(h=4, h_kv=2, causal=True, sq=1000, sk=1000),
+    Case(h=8, h_kv=2, causal=True, sq=1000, sk=777),   # rows with no visible key
+    Case(h=4, h_kv=4, causal=True, sq=129, sk=1000),
+    Case(FP16, 128, h=4, h_kv=1, causal=True, sq=333, sk=555),
+    Case(h=8, h_kv=2, causal=True, lens_q=(300, 0, 1000, 17, 81), lens_k=(129, 5, 1000, 17, 80)),
+]
+
+
+@pytest.mark.parametrize("case", M80_CAUSAL_CASES, ids=str)
+def test_backward_80_query_rows_causal(case, monkeypatch):
+    """swapped_dq_bwd_config (80 rows, dQ^T before dK, per-warpgroup dQ) forced under the
+    causal mask: the accuracy rule of every backward test, and bit-identical deterministic
+    gradients (its joint hand-off) on the GQA cases."""
+    import dataclasses
+
+    from cute_attn import config, launcher
+
+    swapped = config.swapped_dq_bwd_config()
+    calls = []
+
+    def bwd_config_for(head_dim, features, deterministic=False, max_seqlen_q=0):
+        calls.append(features.mask)
+        return dataclasses.replace(swapped, dq_handoff_per_wg=False) if deterministic else swapped
+
+    monkeypatch.setattr(launcher, "bwd_config_for", bwd_config_for)
+    q, k, v, dout, cu = make_inputs(case, seed=7)
+    check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
+    assert calls and all(m == "causal" for m in calls), calls
+    if case.h != case.h_kv:
+        g1 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
+        g2 = kernel_grads(case, q, k, v, cu, dout, deterministic=True)
+        check_grads(case, q, k, v, cu, dout, g1)
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2)), "deterministic causal m80 gradients differ"
+
+
 
 # Persistent forward grids (config.FwdConfig.persistent_ctas): a few CTAs walking many
 # tiles each, so every ring (Q, K, V) and the ping-pong turns run on across tiles; tiles

@@ -15,7 +15,7 @@ dS as their A operand (dV += P^T dO and dK += dS^T Q) take them straight from re
   dK  += dS^T Q         (A = dS^T registers, B = Q^T view)
   dQ   = dS K           (A = dS^T written to smem, read MN-major; B = K^T view)
 LSE2 and D are per query, i.e. per column of the S^T tile. BwdConfig.dq_swapped (head
-dim 128 without a mask: 80 queries per step, which dQ's M cannot take) computes dQ^T = K^T dS^T
+dim 128, no mask or causal: 80 queries per step, which dQ's M cannot take) computes dQ^T = K^T dS^T
 instead (A = K^T view, B = dS written to smem queries x keys by stmatrix .trans), and
 dQ_accum holds the dQ^T fragment's order (blocks/dq_accum.py).
 
@@ -243,10 +243,10 @@ class FlashBwdSm90:
         self.dq_swapped = config.dq_swapped  # see BwdConfig.dq_swapped
         self.dq_order = config.dq_order  # see BwdConfig.dq_order (dq_swapped only)
         if self.dq_swapped:
-            # the per-element paths (masks, softcap, mods, dropout) and the mods' kernel (a
-            # sink too) are not tested with it: the unmasked backward's option
-            if features.mask != "none" or features.softcap or features.mod_kernel:
-                raise ValueError(f"dq_swapped takes the unmasked backward only, got {features}")
+            # the per-element paths of a window, softcap, mods and dropout and the mods'
+            # kernel (a sink too) are not tested with it: no mask or causal only
+            if features.mask == "local" or features.softcap or features.mod_kernel:
+                raise ValueError(f"dq_swapped takes no mask or the causal mask only, got {features}")
             if head_dim % (64 * self.dq_wgs):
                 raise ValueError(f"dq_swapped needs head_dim a multiple of 64 per dQ warpgroup (the M of "
                                  f"dQ^T), got head_dim {head_dim} with {self.dq_wgs} dQ warpgroups")
