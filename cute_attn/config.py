@@ -690,9 +690,10 @@ class BwdConfig(_WarpSpecialized):
     # head dim 128 without a mask). sdS then holds dS (queries x keys, keys contiguous: a
     # K-major B operand), written from the S^T-shaped registers by stmatrix .trans; dQ_accum
     # keeps the dQ^T accumulator's fragment order (blocks/dq_accum.py). No mask or causal
-    # only (FlashBwdSm90 refuses a window, softcap, the mods' kernel: mods, dropout, a
-    # sink), head dims a multiple of 64 per dQ warpgroup. bwd_config_for takes it at head
-    # dim 128 (swapped_dq_bwd_config; measured, perf/NOTES.md session 29).
+    # only (FlashBwdSm90 refuses a window, softcap and the mods' kernel: mods, dropout, a
+    # sink in the features; a sink's backward still takes it, run_bwd dropping the sink),
+    # head dims a multiple of 64 per dQ warpgroup. bwd_config_for takes it at head dim 128
+    # (swapped_dq_bwd_config; measured, perf/NOTES.md session 29).
     dq_swapped: bool = False
     # With dq_swapped: where dQ^T's WGMMA goes among dV's and dK's (both issued after the
     # step's dS^T; perf/NOTES.md sessions 28-29: "before_dk" measured fastest). P^T (dV's A), dS^T (dK's A),
@@ -747,8 +748,9 @@ def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:
     return BwdConfig(tile_m=64, tile_n=64, num_stages=stages, dq_warpgroups=2, split_d=True, dq_atomic=dq_atomic)
 
 
-# Query rows from which the backward hands dQ to its writer per warpgroup
-# (BwdConfig.dq_handoff_per_wg). H200, session 28, two A/B runs (perf/ab_bwd_configs.py 5
+# Query rows from which the 64-row backward hands dQ to its writer per warpgroup
+# (BwdConfig.dq_handoff_per_wg; head dim 128 without a mask, and causal from
+# SWAPPED_DQ_CAUSAL_FROM_QUERIES, take swapped_dq_bwd_config instead). H200, session 28, two A/B runs (perf/ab_bwd_configs.py 5
 # ... dqwg,copy; 16K tokens): +1..+5% at 4K-16K queries for head dims 64 and 128, causal
 # or not; at 1K -1..-6% (2K mixed, -1..+3%), where a CTA has few steps to hide the
 # writer's two serial half-reduces after the last one.
@@ -766,10 +768,11 @@ def swapped_dq_bwd_config() -> BwdConfig:
     two sdS buffers and the per-warpgroup dQ hand-off. Measured against the 64-row
     default it replaced (H200, 16K tokens, 5 interleaved rounds, perf/NOTES.md session
     29), at 1K / 2K / 4K / 8K / 16K: no mask +3.5 / +7 / +3 / +6 / +10%, causal +1.3 / +5
-    / +1.5 / +3 / +5.5% (the noise floor 0-2%); at 512, no mask level, causal -6%
-    (SWAPPED_DQ_CAUSAL_FROM_QUERIES). Not with a window, softcap, mods, dropout or a sink
-    (FlashBwdSm90 refuses them with dq_swapped), nor deterministic (its turns order whole
-    dQ chunks; not measured)."""
+    / +1.5 / +3 / +5.5% (the noise floor 0-2%; a second 1K run: level); at 512, no mask
+    level, causal -6% (SWAPPED_DQ_CAUSAL_FROM_QUERIES). Not with a window, softcap, mods or
+    dropout (FlashBwdSm90 refuses them with dq_swapped), nor deterministic (its turns order
+    whole dQ chunks; not measured). A sink's backward takes it: run_bwd drops the sink from
+    the features, the kernel never sees it."""
     return BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_order="before_dk",
                      dq_handoff_per_wg=True)
 
@@ -786,6 +789,11 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
     same kind) keep 64 rows. Head dims 192 and 256 split the head dim between the two
     warpgroups (split_d_bwd_config). perf/NOTES.md has the A/Bs.
 
+    Head dim 128 without a mask (every length), and causal from
+    SWAPPED_DQ_CAUSAL_FROM_QUERIES query rows, take 80 query rows per step with dQ
+    transposed instead (swapped_dq_bwd_config: two sdS buffers, per-warpgroup dQ), unless
+    deterministic; the rest of this docstring is about the 64-row tiles.
+
     Two sdS buffers (ds_stages) where they were measured to help (H200, 1K-16K, session
     19): head dim 64's 128-row tiles +0-4% (causal or not), head dim 128 without a mask
     +1-3%; at 128 causal they measured -1 to +1%, so not there, nor where no one
@@ -797,7 +805,8 @@ def bwd_config_for(head_dim: int, features: AttnFeatures, deterministic: bool = 
 
     From DQ_HANDOFF_PER_WG_FROM_QUERIES query rows (max_seqlen_q; 0: unknown, short), head
     dims 64 and 128 in those same plain cases hand dQ over per warpgroup, with two sdS
-    buffers (at 128 causal too); never deterministic (its turns order whole dQ chunks).
+    buffers (at 128 causal too: today unreached, swapped_dq_bwd_config starting below
+    4K); never deterministic (its turns order whole dQ chunks).
     Varlen passes its max_seqlen_q, a bound the caller chooses: a packed batch of short
     documents with a large bound takes the long-query config (correct, up to a few percent
     slower where the sequences are short)."""

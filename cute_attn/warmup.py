@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from cute_attn.config import (CAPABILITIES, DQ_HANDOFF_PER_WG_FROM_QUERIES, ONE_TILE_PER_CTA_FROM_KEYS,
+                              SWAPPED_DQ_CAUSAL_FROM_QUERIES,
                               AttnFeatures, bwd_config_for, cluster_splits_fit, split_config, split_decode_config,
                               unsplit_decode_config)
 from cute_attn.tuning import default_fwd_config
@@ -33,6 +34,8 @@ from cute_attn.tuning import default_fwd_config
 DEFAULT_DTYPES = ("bf16",)
 DEFAULT_HEAD_DIMS = (64, 128)
 DEFAULT_MASKS = ("none", "causal")
+# the backward's query lengths at which bwd_config_for's choice may change (0: short)
+BWD_QUERY_LENGTHS = tuple(sorted({0, SWAPPED_DQ_CAUSAL_FROM_QUERIES, DQ_HANDOFF_PER_WG_FROM_QUERIES}))
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,9 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
                 if decode is not config:
                     jobs.append(Job("fwd", FwdKey(dtype, d, features, decode)))
         if backward and d in CAPABILITIES["bwd"].head_dims:
-            # short and long queries (config.DQ_HANDOFF_PER_WG_FROM_QUERIES)
-            configs = (bwd_config_for(d, features),
-                       bwd_config_for(d, features, max_seqlen_q=DQ_HANDOFF_PER_WG_FROM_QUERIES))
+            # every query length at which the choice changes (config's thresholds: the
+            # per-warpgroup dQ hand-off, the 80-row causal backward)
+            configs = [bwd_config_for(d, features, max_seqlen_q=s) for s in BWD_QUERY_LENGTHS]
             jobs += [Job("bwd", BwdKey(dtype, d, features, c)) for c in dict.fromkeys(configs)]
     return jobs
 

@@ -8,16 +8,20 @@ timing, each variant's gradients are compared with the default's (max relative d
     python3 perf/ab_bwd_configs.py 3 4096,16384 256,192 sdq,atomic
     python3 perf/ab_bwd_configs.py 5 1024,4096,16384 128,64 atomic 1
 
-Variants (forced through launcher.bwd_config_for, where they apply to the head dim):
+Variants (forced through launcher.bwd_config_for, where they apply to the head dim).
+"The 64-row default" is m64 below: the default itself but at head dim 128 (no mask, or
+causal from config.SWAPPED_DQ_CAUSAL_FROM_QUERIES rows), where the default is the 80-row
+swapped_dq_bwd_config and these knobs are compared against copy at two changes at once:
     sdq      split_d with the sdQ tile and the dQ writer (192/256)
-    atomic   the default config with dq_atomic (dQ by vector atomics)
+    atomic   the 64-row default with dq_atomic (dQ by vector atomics)
     atomic3  the same with three stages (head dims <= 128)
-    ds1      the default with one sdS buffer (BwdConfig.ds_stages; head dims <= 128)
-    ds2      the default with two sdS buffers
-    dplate   the default with the dP^T wait pinned below P^T's exp2s (dp_wait_after_exp2)
-    dqwg     two sdS buffers and the per-warpgroup dQ hand-off (dq_handoff_per_wg; 64 / 128)
-    dqjoint  the default with the joint dQ hand-off (the per-warpgroup one is the default
-             from config.DQ_HANDOFF_PER_WG_FROM_QUERIES rows)
+    ds1      the 64-row default with one sdS buffer (BwdConfig.ds_stages; head dims <= 128)
+    ds2      the 64-row default with two sdS buffers
+    dplate   the 64-row default with the dP^T wait pinned below P^T's exp2s (dp_wait_after_exp2)
+    dqwg     the 64-row default with two sdS buffers and the per-warpgroup dQ hand-off
+             (dq_handoff_per_wg; 64 / 128)
+    dqjoint  the 64-row default with the joint dQ hand-off (the per-warpgroup one is its
+             choice from config.DQ_HANDOFF_PER_WG_FROM_QUERIES rows)
     copy     the default itself (at each length), timed again: the run's noise floor
     m64      the 64-row default (at head dim 128, no mask or causal, the config that
              swapped_dq_bwd_config replaced in session 29; elsewhere the default)

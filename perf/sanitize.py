@@ -195,7 +195,7 @@ CASES = (
          extra={"config": "dq_per_wg"}),
     Case("bwd-ds2-hd64-deterministic", head_dim=64, seqlen_q=500, seqlen_k=600, nheads=4, nheads_kv=4,
          deterministic=True),
-    # 80 query rows per step with dQ^T = K^T dS^T (BwdConfig.dq_swapped, an experiment):
+    # 80 query rows per step with dQ^T = K^T dS^T (BwdConfig.dq_swapped; m80bdkwg is head dim 128's default):
     # dS stored queries x keys by stmatrix .trans, two sdS buffers, 80-row Q / dO / LSE2 / D
     # stages; lengths not multiples of 80; GQA, and varlen with the deterministic turns
     Case("bwd-m80-gqa", batch=2, seqlen_q=700, seqlen_k=900, nheads=8, nheads_kv=2, extra={"config": "m80"}),
@@ -208,7 +208,7 @@ CASES = (
          extra={"config": "m80bdk"}),
     Case("bwd-m80-before-dk-per-wg-varlen", nheads=4, nheads_kv=2, lengths=((0, 40), (150, 200), (277, 129)),
          extra={"config": "m80bdkwg"}),
-    # the same under the causal mask (an experiment, session 29): the diagonal cutting
+    # the same under the causal mask (the default from 2K query rows): the diagonal cutting
     # 80-row blocks at every offset against the 128-key tiles, rows with no visible key
     Case("bwd-m80-causal-gqa", batch=2, seqlen_q=700, seqlen_k=600, nheads=8, nheads_kv=2, causal=True,
          extra={"config": "m80bdkwg"}),

@@ -766,8 +766,8 @@ def test_backward_hands_dq_over_per_warpgroup_from_long_queries():
 def test_backward_head_dim_128_takes_80_rows_and_swapped_dq():
     """bwd_config_for's session-29 choice: head dim 128 with no mask (at every query length)
     or causal (from SWAPPED_DQ_CAUSAL_FROM_QUERIES rows), dense or varlen, GQA alike, takes
-    swapped_dq_bwd_config; a window,
-    softcap, dropout, a sink, mods or the deterministic backward keep the 64-row tiles."""
+    swapped_dq_bwd_config; a window, softcap, dropout, mods or the deterministic backward
+    keep the 64-row tiles."""
     from cute_attn.config import DQ_HANDOFF_PER_WG_FROM_QUERIES as long
     from cute_attn.config import swapped_dq_bwd_config
 
@@ -783,8 +783,10 @@ def test_backward_head_dim_128_takes_80_rows_and_swapped_dq():
             assert bwd_config_for(128, features, max_seqlen_q=s) == swapped
         for s in (0, causal_from - 1):  # short causal queries keep the 64-row tiles
             assert bwd_config_for(128, features, max_seqlen_q=s).tile_m == 64
+    # (a sink never reaches bwd_config_for: launcher.run_bwd drops it from the features, so
+    # a sink's backward takes the sink-free choice)
     for features in (AttnFeatures(mask="local"), AttnFeatures(softcap=True), AttnFeatures(mask="causal", softcap=True),
-                     AttnFeatures(dropout=True), AttnFeatures(sink=True)):
+                     AttnFeatures(dropout=True)):
         cfg = bwd_config_for(128, features, max_seqlen_q=long)
         assert not cfg.dq_swapped and cfg.tile_m == 64, features
     for mask in ("none", "causal"):
@@ -818,20 +820,28 @@ def test_backward_with_two_sds_buffers_compiles_without_spills(head_dim, mask):
 
 @pytest.mark.parametrize("dq_order", ["after_dkv", "after_dv", "before_dk"])
 @pytest.mark.parametrize("features, per_wg", [(AttnFeatures(), False), (AttnFeatures(varlen=True), False),
-                                              (AttnFeatures(), True)], ids=["dense", "varlen", "dense-per-wg"])
+                                              (AttnFeatures(), True), (AttnFeatures(mask="causal"), True),
+                                              (AttnFeatures(mask="causal", varlen=True), True)],
+                         ids=["dense", "varlen", "dense-per-wg", "causal-per-wg", "causal-varlen-per-wg"])
 def test_backward_80_query_rows_with_swapped_dq_compiles(features, per_wg, dq_order):
-    """BwdConfig.dq_swapped (an experiment, off by default) with 80 query rows per step at
-    head dim 128: S^T, dP^T and dQ^T = K^T dS^T are m64n80 WGMMAs and dV, dK m64n128 (no
+    """BwdConfig.dq_swapped with 80 query rows per step at head dim 128 (with before_dk and
+    the per-warpgroup hand-off: config.swapped_dq_bwd_config, the default without a mask and
+    for causal from 2K query rows): S^T, dP^T and dQ^T = K^T dS^T are m64n80 WGMMAs and dV, dK m64n128 (no
     n64 left), dS goes to shared memory by stmatrix .trans and so does the postprocess's
     dQ^T; no spill and no WGMMA serialisation (C7512) in the main kernel, the deterministic
     one included (the joint hand-off), and its shared memory within a CTA's (the launch
     checks that at trace time). Each BwdConfig.dq_order but "fa4" (which ptxas serialises:
     P^T, dS^T, dV, dK and dQ^T all held)."""
+    import dataclasses
+
     from cute_attn.config import BwdConfig
 
     config = BwdConfig(tile_m=80, tile_n=128, num_stages=2, ds_stages=2, dq_swapped=True, dq_handoff_per_wg=per_wg,
                        dq_order=dq_order)
-    for deterministic in (False,) if per_wg else (False, True):
+    # the deterministic backward takes the joint hand-off
+    for deterministic in (False, True):
+        if deterministic:
+            config = dataclasses.replace(config, dq_handoff_per_wg=False)
         arts = ptx_tool.compile_bwd_artifacts("bf16", 128, features, config, deterministic=deterministic)
         main = arts["main"]
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", main.ptx))
@@ -846,8 +856,9 @@ def test_backward_80_query_rows_with_swapped_dq_compiles(features, per_wg, dq_or
 
 def test_backward_swapped_dq_config_is_checked():
     """tile_m 80 needs dq_swapped (dQ's M is 64 per warpgroup); dq_swapped refuses split_d,
-    dQ atomics, masks, the per-element features and the mods' kernel (a sink), and head
-    dims that are not 64 rows per dQ warpgroup; the defaults never take it."""
+    dQ atomics, a window, the per-element features and the mods' kernel (a sink in the
+    features), and head dims that are not 64 rows per dQ warpgroup; it takes no mask and
+    the causal mask. The defaults take it at head dim 128 only (swapped_dq_bwd_config)."""
     from cute_attn.config import DTYPES, BwdConfig
     from cute_attn.kernels.bwd_sm90 import FlashBwdSm90
 
@@ -861,11 +872,14 @@ def test_backward_swapped_dq_config_is_checked():
         with pytest.raises(ValueError, match="dq_swapped"):
             BwdConfig(**{**dict(tile_m=80, dq_swapped=True), **bad})
     config = BwdConfig(tile_m=80, dq_swapped=True)
-    for features in (AttnFeatures(mask="causal"), AttnFeatures(mask="local"), AttnFeatures(softcap=True),
+    for features in (AttnFeatures(mask="local"), AttnFeatures(softcap=True), AttnFeatures(mask="causal", softcap=True),
                      AttnFeatures(dropout=True), AttnFeatures(sink=True)):
-        with pytest.raises(ValueError, match="unmasked"):
+        with pytest.raises(ValueError, match="dq_swapped takes no mask or the causal mask"):
             FlashBwdSm90(DTYPES["bf16"], 128, features, config)
+    for features in (AttnFeatures(), AttnFeatures(mask="causal"), AttnFeatures(mask="causal", varlen=True)):
+        FlashBwdSm90(DTYPES["bf16"], 128, features, config)  # constructs
     with pytest.raises(ValueError, match="head_dim"):
         FlashBwdSm90(DTYPES["bf16"], 96, AttnFeatures(), BwdConfig(tile_m=80, dq_warpgroups=1, dq_swapped=True))
-    assert not any(bwd_config_for(d, AttnFeatures(mask=m)).dq_swapped
-                   for d in CAPABILITIES["bwd"].head_dims for m in ("none", "causal", "local"))
+    swapped = {(d, m) for d in CAPABILITIES["bwd"].head_dims for m in ("none", "causal", "local")
+               for s in (0, 1024, 2048, 4096, 16384) if bwd_config_for(d, AttnFeatures(mask=m), max_seqlen_q=s).dq_swapped}
+    assert swapped == {(128, "none"), (128, "causal")}, swapped

@@ -273,9 +273,11 @@ DQ_PER_WG_CASES = [
 
 @pytest.mark.parametrize("case", DQ_PER_WG_CASES, ids=str)
 def test_dq_handoff_per_warpgroup_backward(case, monkeypatch):
-    """The backward with BwdConfig.dq_handoff_per_wg forced (with its two sdS buffers): the
-    accuracy rule of every backward test. The deterministic backward keeps the joint
-    hand-off (it orders whole chunks), so it is not forced there."""
+    """The 64-row backward with BwdConfig.dq_handoff_per_wg forced (with its two sdS
+    buffers): the accuracy rule of every backward test. The deterministic backward keeps
+    the joint hand-off (it orders whole chunks), so it is not forced there. (Head dim 128
+    without a mask defaults to the 80-row swapped_dq_bwd_config, tested below; here it
+    takes the 64-row tiles.)"""
     import dataclasses
 
     from cute_attn import config, launcher
@@ -284,6 +286,8 @@ def test_dq_handoff_per_warpgroup_backward(case, monkeypatch):
 
     def per_wg(head_dim, features, deterministic=False, max_seqlen_q=0):
         base = real(head_dim, features, deterministic)
+        if base.dq_swapped:
+            base = config.BwdConfig(tile_m=64, tile_n=128, num_stages=2)
         return base if deterministic else dataclasses.replace(base, ds_stages=2, dq_handoff_per_wg=True)
 
     monkeypatch.setattr(launcher, "bwd_config_for", per_wg)
@@ -312,11 +316,14 @@ def test_long_queries_take_the_per_warpgroup_dq_handoff(case, monkeypatch):
     q, k, v, dout, cu = make_inputs(case, seed=11)
     check_grads(case, q, k, v, cu, dout, kernel_grads(case, q, k, v, cu, dout))
     assert chosen and all(c.dq_handoff_per_wg for c in chosen), chosen
+    # head dim 128 (no mask; causal from SWAPPED_DQ_CAUSAL_FROM_QUERIES rows) takes the
+    # 80-row config, whose hand-off is per warpgroup at every length
+    assert all(c.dq_swapped == (case.d == 128) for c in chosen), chosen
 
 
-# --------------------------- BwdConfig.dq_swapped: 80 query rows per step (an experiment)
+# --------------------------- BwdConfig.dq_swapped: 80 query rows per step (head dim 128's default)
 
-# Unmasked only (FlashBwdSm90 refuses the rest). Lengths that are not multiples of 80
+# Without a mask here (causal: M80_CAUSAL_CASES below). Lengths that are not multiples of 80
 # leave a partial last query tile (LSE2 = +inf rows) and partial KV tiles (masked keys).
 M80_CASES = [
     Case(h=4, h_kv=4, sq=1000, sk=1000),   # 1000 = 12 * 80 + 40

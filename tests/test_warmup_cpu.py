@@ -25,10 +25,19 @@ def test_default_plan_is_the_launchers_keys():
             assert job.key == FwdKey("bf16", job.key.head_dim, f, fwd_config_for(job.key.head_dim, f))
         else:
             assert job.key in [BwdKey("bf16", job.key.head_dim, f, bwd_config_for(job.key.head_dim, f, max_seqlen_q=s))
-                               for s in (0, long)]
+                               for s in warmup.BWD_QUERY_LENGTHS]
     assert sum(j.family == "bwd" and j.key.config.dq_handoff_per_wg for j in jobs) == 8
     assert {(j.key.head_dim, j.key.features.mask, j.key.features.varlen) for j in jobs} == {
         (d, m, var) for d in (64, 128) for m in ("none", "causal") for var in (False, True)}
+    # every backward config the launcher picks at any query length is planned (the
+    # thresholds' lengths cover the steps of bwd_config_for)
+    planned = {j.key for j in jobs if j.family == "bwd"}
+    for d in (64, 128):
+        for m in ("none", "causal"):
+            for var in (False, True):
+                f = AttnFeatures(mask=m, varlen=var)
+                for s in range(0, 4 * long + 1, 256):
+                    assert BwdKey("bf16", d, f, bwd_config_for(d, f, max_seqlen_q=s)) in planned, (d, m, var, s)
 
 
 def test_plan_options():

@@ -95,6 +95,7 @@ warpgroups splitting the head dim (BwdConfig.split_d: 64-key tiles, P^T and dS^T
 shared memory; at 256 dQ by atomics unless deterministic, BwdConfig.dq_atomic); fp16 or
 bf16 in, fp32 accumulation (config.DtypePolicy).
 Read the PTX without a GPU: python -m cute_attn ptx --kernel bwd --headdim 128 [--causal]
+(the default for short queries: with --causal the 64-row kernel, without it the 80-row one)
 """
 
 from typing import NamedTuple
@@ -246,7 +247,8 @@ class FlashBwdSm90:
             # the per-element paths of a window, softcap, mods and dropout and the mods'
             # kernel (a sink too) are not tested with it: no mask or causal only
             if features.mask == "local" or features.softcap or features.mod_kernel:
-                raise ValueError(f"dq_swapped takes no mask or the causal mask only, got {features}")
+                raise ValueError(f"dq_swapped takes no mask or the causal mask, without a window, softcap, mods, "
+                                 f"dropout or a sink in the features; got {features}")
             if head_dim % (64 * self.dq_wgs):
                 raise ValueError(f"dq_swapped needs head_dim a multiple of 64 per dQ warpgroup (the M of "
                                  f"dQ^T), got head_dim {head_dim} with {self.dq_wgs} dQ warpgroups")
