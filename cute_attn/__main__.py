@@ -22,6 +22,10 @@ def main(argv=None) -> int:
                    help="none, causal, or local (sliding window; its sizes are run-time)")
     p.add_argument("--softcap", action="store_true", help="the logit-softcap specialisation")
     p.add_argument("--varlen", action="store_true", help="the packed variable-length one")
+    p.add_argument("--seqlen-q", type=int, default=0,
+                   help="bwd: the query length (max_seqlen_q) the backward's config is chosen for "
+                        "(config.bwd_config_for; 0: short). E.g. --causal --seqlen-q 2048 at head dim "
+                        "128: the 80-row kernel")
     p.add_argument("--out", help="write the PTX here instead of stdout")
     p.add_argument("--sass", action="store_true", help="also print SASS (needs cuobjdump)")
     w = sub.add_parser("warmup", help="compile the common specialisations into the on-disk cache")
@@ -62,7 +66,7 @@ def main(argv=None) -> int:
     if args.kernel == "fwd":
         arts = {"forward": ptx.compile_fwd_artifacts(args.dtype, args.headdim, features=features)}
     else:
-        arts = ptx.compile_bwd_artifacts(args.dtype, args.headdim, features=features)
+        arts = ptx.compile_bwd_artifacts(args.dtype, args.headdim, features=features, max_seqlen_q=args.seqlen_q)
     text = "".join(f"// ===== {name} =====\n{art.ptx}" for name, art in arts.items())
     if args.out:
         with open(args.out, "w") as f:

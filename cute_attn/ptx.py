@@ -52,10 +52,12 @@ def compile_fwd_artifacts(
 
 def compile_bwd_artifacts(
     dtype: str, head_dim: int, features: AttnFeatures, config: Optional[BwdConfig] = None,
-    deterministic: bool = False,
+    deterministic: bool = False, max_seqlen_q: int = 0,
 ) -> dict:
-    """{"preprocess" | "main" | "postprocess": CompiledArtifacts} of one backward."""
-    key = BwdKey(dtype, head_dim, features, config or bwd_config_for(head_dim, features, deterministic), deterministic)
+    """{"preprocess" | "main" | "postprocess": CompiledArtifacts} of one backward, with the
+    default config for max_seqlen_q query rows (0: short) unless one is given."""
+    config = config or bwd_config_for(head_dim, features, deterministic, max_seqlen_q)
+    key = BwdKey(dtype, head_dim, features, config, deterministic)
     fns = compile_bwd(key, "--keep-ptx --keep-cubin")
     return {
         name: CompiledArtifacts(key, fn.__ptx__, fn.__cubin__, ptxas_report(fn.__ptx__))

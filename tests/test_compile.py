@@ -172,6 +172,18 @@ def test_cli_prints_backward_ptx(tmp_path, capsys):
     assert "BwdKey" in capsys.readouterr().err
 
 
+def test_cli_backward_ptx_follows_the_query_length(tmp_path, capsys):
+    """--seqlen-q picks the backward's config as the launcher does: causal head dim 128 takes
+    the 80-row swapped-dQ kernel from config.SWAPPED_DQ_CAUSAL_FROM_QUERIES query rows."""
+    from cute_attn.__main__ import main
+    from cute_attn.config import SWAPPED_DQ_CAUSAL_FROM_QUERIES
+
+    out = tmp_path / "bwd.ptx"
+    argv = ["ptx", "--kernel", "bwd", "--headdim", "128", "--causal", "--out", str(out)]
+    assert main([*argv, "--seqlen-q", str(SWAPPED_DQ_CAUSAL_FROM_QUERIES)]) == 0
+    assert "m64n80k16" in out.read_text() and "dq_swapped=True" in capsys.readouterr().err
+
+
 # ---- the feature specialisations: sliding window, softcap, varlen (GQA needs none) ----
 
 FEATURES = [

@@ -95,7 +95,8 @@ warpgroups splitting the head dim (BwdConfig.split_d: 64-key tiles, P^T and dS^T
 shared memory; at 256 dQ by atomics unless deterministic, BwdConfig.dq_atomic); fp16 or
 bf16 in, fp32 accumulation (config.DtypePolicy).
 Read the PTX without a GPU: python -m cute_attn ptx --kernel bwd --headdim 128 [--causal]
-(the default for short queries: with --causal the 64-row kernel, without it the 80-row one)
+[--seqlen-q N] (the default config for N query rows: with --causal, 64 rows below 2K and
+80 from there; without a mask, 80 at every length)
 """
 
 from typing import NamedTuple
