@@ -633,7 +633,7 @@ def choose_pack_gqa(seqlen_q: int, group: int, tile_m: int, varlen: bool) -> int
 # ----------------------------------------------------------------------------------------
 
 
-DQ_ORDERS = ("after_dkv", "after_dv", "before_dk", "fa4")  # BwdConfig.dq_order
+DQ_ORDERS = ("after_dkv", "after_dv", "before_dk")  # BwdConfig.dq_order
 
 
 @dataclass(frozen=True)
@@ -702,9 +702,8 @@ class BwdConfig(_WarpSpecialized):
     #                dQ^T store)
     #   "after_dv"   dV, dK; wait for dV; dQ^T (issued under dK); wait; dQ^T to sdQ
     #   "before_dk"  dV; wait for dV; dQ^T; dK; wait for dQ^T; dQ^T to sdQ under dK
-    #   "fa4"        dV; dQ^T; wait for dV; dK; wait for dQ^T; dQ^T to sdQ under dK
-    #                (FlashAttention-4's Hopper order: P^T held while dQ^T is issued;
-    #                ptxas 13.0 serialises every WGMMA of the kernel, C7512: kept to show it)
+    # (FlashAttention-4's Hopper order, dQ^T issued before dV's wait with P^T still held,
+    # made ptxas 13.0 serialise every WGMMA of the kernel, C7512: perf/NOTES.md session 28)
     dq_order: str = "after_dkv"
 
     @property

@@ -842,8 +842,7 @@ def test_backward_80_query_rows_with_swapped_dq_compiles(features, per_wg, dq_or
     n64 left), dS goes to shared memory by stmatrix .trans and so does the postprocess's
     dQ^T; no spill and no WGMMA serialisation (C7512) in the main kernel, the deterministic
     one included (the joint hand-off), and its shared memory within a CTA's (the launch
-    checks that at trace time). Each BwdConfig.dq_order but "fa4" (which ptxas serialises:
-    P^T, dS^T, dV, dK and dQ^T all held)."""
+    checks that at trace time). Each BwdConfig.dq_order."""
     import dataclasses
 
     from cute_attn.config import BwdConfig

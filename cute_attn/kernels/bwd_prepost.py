@@ -160,11 +160,9 @@ class BwdPostprocess:
             # and 16-byte row stores (2-byte scattered stores from the fragment ran at a
             # fifth of the memory bandwidth: 315 us for 200 MB on an H100); a dQ^T fragment
             # (dq_swapped) goes in by stmatrix .trans through sdQ's transposed view
-            if cutlass.const_expr(self.dq_swapped):
-                epilogue.acc_to_smem(acc, mma_sm90.transpose_view(sdQ), tiled_mma_dq, tidx, self.out_dtype,
-                                     scale=softmax_scale, transpose=True)
-            else:
-                epilogue.acc_to_smem(acc, sdQ, tiled_mma_dq, tidx, self.out_dtype, scale=softmax_scale)
+            sdQ_mma = mma_sm90.transpose_view(sdQ) if cutlass.const_expr(self.dq_swapped) else sdQ
+            epilogue.acc_to_smem(acc, sdQ_mma, tiled_mma_dq, tidx, self.out_dtype, scale=softmax_scale,
+                                 transpose=self.dq_swapped)
             cute.arch.sync_threads()
             gdQ = cute.local_tile(seqlen.rows_q(mdQ, head), (self.tile_m, self.head_dim), (m_block, 0))
             epilogue.store_rows(sdQ, gdQ, seqlen.seqlen_q - m_block * self.tile_m, tidx, self.num_threads)

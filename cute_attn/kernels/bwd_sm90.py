@@ -817,7 +817,7 @@ class FlashBwdSm90:
 
         # dq_swapped's BwdConfig.dq_order: dK's WGMMA issued after dQ^T's (the store of
         # dQ^T to sdQ then runs under it)
-        dk_after_dq = self.dq_swapped and self.dq_order in ("before_dk", "fa4")
+        dk_after_dq = self.dq_swapped and self.dq_order == "before_dk"
         if cutlass.const_expr(self.split_d):
             # P^T and dS^T to smem: every warpgroup's dV/dK needs all keys x all queries
             self.wait_ds_free()
@@ -859,18 +859,15 @@ class FlashBwdSm90:
             elif cutlass.const_expr(self.dq_swapped and self.dq_order == "after_dkv"):
                 # dV and dK have read P^T and dS^T before dQ^T's accumulator is live: with
                 # P^T, dS^T (20 registers each at 80 queries), dK, dV (128) and dQ^T (40)
-                # all held, ptxas serialised every WGMMA of the kernel (C7512; "fa4" below)
+                # all held, ptxas serialised every WGMMA of the kernel (C7512)
                 warpgroup.wait_group(0)
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=0)
             elif cutlass.const_expr(self.dq_swapped and self.dq_order == "after_dv"):
                 warpgroup.wait_group(1)  # dV's: P^T free; dK still reads dS^T
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=0)
-            elif cutlass.const_expr(self.dq_swapped):
-                if cutlass.const_expr(self.dq_order == "before_dk"):
-                    warpgroup.wait_group(0)  # dV's: P^T free before dQ^T's accumulator is live
-                    mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=-1)
-                else:  # "fa4": dQ^T issued under dV, which holds P^T until the wait (C7512)
-                    mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=1)
+            elif cutlass.const_expr(self.dq_swapped):  # "before_dk"
+                warpgroup.wait_group(0)  # dV's: P^T free before dQ^T's accumulator is live
+                mma_sm90.gemm(tiled_mma_dq, acc_dQ, ops.tdQrK, tdQrdS, zero_init=True, wait_groups=-1)
                 self.mma_dk(ops, tiled_mma_dkv, rdS, stage)
                 warpgroup.wait_group(1)  # dQ^T's; dK runs under its store to sdQ
             else:
