@@ -1215,7 +1215,7 @@ def _fake_bwd_args(key: BwdKey):
     else:
         main = (*main, max_seqlen, scale, softcap, wl, wr, stream)
     return (
-        (o, do, lse, lse2, dsum, cu_q, max_seqlen, stream),
+        (o, do, lse, lse2, dsum, dq_accum, cu_q, max_seqlen, stream),
         main,
         (dq_accum, dq, cu_q, max_seqlen, scale, stream),
     )
@@ -1289,14 +1289,15 @@ def run_bwd(
     f32 = dict(dtype=torch.float32, device=q.device)
     lse2 = torch.empty((stats_batch, heads, rows), **f32)
     dsum = torch.empty((stats_batch, heads, rows), **f32)
-    # bulk reduce-adds or atomics (dq_atomic) accumulate into it, so it starts at zero
-    dq_accum = torch.zeros((stats_batch, heads, rows * head_dim), **f32)
+    # bulk reduce-adds or atomics (dq_atomic) accumulate into it: the preprocess zeroes
+    # each query tile's chunk (a torch.zeros was a second pass over it, perf/NOTES.md)
+    dq_accum = torch.empty((stats_batch, heads, rows * head_dim), **f32)
     if deterministic:
         # one turn counter per (batch, head, query block)
         semaphore = torch.zeros((stats_batch, heads, rows // tile_m), dtype=torch.int32, device=q.device)
     else:
         semaphore = _unused_semaphore(q.device)
-    pre(out, dout, lse, lse2, dsum, cu_q, args.max_seqlen_q)
+    pre(out, dout, lse, lse2, dsum, dq_accum, cu_q, args.max_seqlen_q)
     if not features.mod_kernel:
         main(q, k, v, dout, lse2, dsum, dq_accum, dk4, dv4, semaphore, cu_q, cu_k, args.max_seqlen_k,
              args.softmax_scale, args.softcap, args.window[0], args.window[1])

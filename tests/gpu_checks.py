@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from gpu_helpers import poison_allocator
+from gpu_helpers import backward_buffer_bytes, poison_allocator
 
 import cute_attn
 from cute_attn.reference import attention_ref, attention_ref_varlen, visible_keys
@@ -226,8 +226,8 @@ def kernel_grads(case, q, k, v, cu, dout, kernel=call_mha, **kwargs):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = kernel(case, q, k, v, cu, **kwargs)
     if q.is_cuda:
-        # dq like q, dk and dv like k (GQA: nheads_kv heads)
-        poison_allocator(q.numel() * q.element_size(), k.numel() * k.element_size())
+        # dq like q, dk and dv like k (GQA: nheads_kv heads), and dQ_accum
+        poison_allocator(*backward_buffer_bytes(q, k, len(case.lens_q) if case.lens_q else 1))
     return torch.autograd.grad(out, (q, k, v), dout)
 
 

@@ -34,6 +34,22 @@ def poison_allocator(*nbytes):
         del bufs
 
 
+def backward_buffer_bytes(q, k, sequences: int = 1):
+    """Byte sizes at least those of what a backward allocates, in its order: dq like q,
+    dk and dv like k, two fp32 per-row statistics, then the fp32 dQ_accum, which
+    torch.empty leaves unset and the preprocess must zero (so poisoned, a chunk it misses
+    is a NaN gradient). The statistics and dQ_accum pad the queries to whole tiles per
+    batch entry, or per sequence when q is packed (varlen: pass the number of
+    sequences); 128 rows bound every tile_m."""
+    d, h = q.shape[-1], q.shape[-2]
+    if q.dim() == 4:
+        rows = q.shape[0] * (-(-q.shape[1] // 128) + 1) * 128
+    else:
+        rows = q.shape[0] + (sequences + 1) * 128
+    kv = k.numel() * k.element_size()
+    return (q.numel() * q.element_size(), kv, kv, h * rows * 4, h * rows * 4, h * rows * d * 4)
+
+
 class hang_guard:
     """Fail a test that hangs instead of waiting forever: a deterministic backward whose
     dQ turn is read wrong spins on a counter that never comes (blocks/semaphore.py), and a

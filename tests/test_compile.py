@@ -149,6 +149,25 @@ def test_backward_has_no_register_spills(compiled_bwd, head_dim):
     assert (int(m.group(1)), int(m.group(2))) == (0, 0), report
 
 
+@pytest.mark.parametrize("head_dim", BWD_HEAD_DIMS)
+def test_backward_preprocess_moves_whole_rows_and_zeroes_its_dq_accum_chunk(compiled_bwd, head_dim):
+    """The preprocess reads each tile of O and dO with 16-byte loads (all passes issued
+    before the row sums) and zeroes the tile's dQ_accum chunk with 16-byte stores of 0:
+    the main kernel adds into a buffer torch.empty left unset, so a missing store is a
+    wrong gradient. Counts per thread: the tile's bytes over the CTA's threads."""
+    from cute_attn.config import DTYPES, bwd_config_for
+    from cute_attn.kernels.bwd_prepost import BwdPreprocess
+
+    causal = AttnFeatures(mask="causal")
+    cfg = bwd_config_for(head_dim, causal)
+    threads = BwdPreprocess(DTYPES["bf16"], head_dim, cfg, causal).num_threads
+    text = compiled_bwd("bf16", head_dim, True)["preprocess"].ptx
+    loads = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", text)
+    zero_stores = re.findall(r"st\.global\.v4\.b32\s+\[[^]]+\], \{(?:0f00000000(?:, )?){4}\}", text)
+    assert len(loads) * threads * 16 == 2 * cfg.tile_m * head_dim * 2
+    assert len(zero_stores) * threads * 16 == cfg.tile_m * head_dim * 4
+
+
 def test_deterministic_backward_orders_dq_with_turn_counters():
     from cute_attn import launcher
     from cute_attn.config import bwd_config_for

@@ -19,7 +19,7 @@ from cute_attn.block_mask import FULL, build_block_mask
 from cute_attn.config import mod_fwd_config_for
 from cute_attn.dropout import keep_scale, threshold
 from cute_attn.mask_reference import attention_ref_mod, dense_mask
-from gpu_helpers import exact_fp32_matmul, hang_guard, poison_allocator  # noqa: F401  (autouse)
+from gpu_helpers import backward_buffer_bytes, exact_fp32_matmul, hang_guard, poison_allocator  # noqa: F401  (autouse)
 
 pytestmark = pytest.mark.gpu
 
@@ -283,7 +283,7 @@ def _d_rounding_terms(q, k, v, dout, mask_mod, score_mod, sink=None, drop=None):
 def _kernel_grads(q, k, v, dout, **kw):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = cute_attn.mha(q, k, v, **kw)
-    poison_allocator(q.numel() * q.element_size(), k.numel() * k.element_size())
+    poison_allocator(*backward_buffer_bytes(q, k))
     return out, torch.autograd.grad(out, (q, k, v), dout)
 
 

@@ -14,7 +14,7 @@ covers it and stays below a quarter ulp of bf16 gradients of magnitude >= 1.
 
 import pytest
 import torch
-from gpu_helpers import exact_fp32_matmul, poison_allocator  # noqa: F401 (fixture)
+from gpu_helpers import backward_buffer_bytes, exact_fp32_matmul, poison_allocator  # noqa: F401 (fixture)
 
 import cute_attn
 from cute_attn.config import CAPABILITIES
@@ -51,7 +51,7 @@ def _inputs(b, sq, sk, h, d, dtype, seed=0):
 def _kernel_grads(q, k, v, dout, **kwargs):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = cute_attn.mha(q, k, v, **kwargs)
-    poison_allocator(q.numel() * q.element_size(), k.numel() * k.element_size())
+    poison_allocator(*backward_buffer_bytes(q, k))
     return torch.autograd.grad(out, (q, k, v), dout)
 
 

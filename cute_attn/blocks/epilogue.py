@@ -67,13 +67,7 @@ def store_rows(sX: cute.Tensor, gX: cute.Tensor, num_rows, tidx, num_threads: cu
     TMA store of the whole tile would run into the next sequence's rows. The caller
     synchronises the threads that wrote sX before, and those that reuse it after."""
     rows, cols = cute.size(sX.shape[0]), cute.size(sX.shape[1])
-    elems = 128 // sX.element_type.width
-    # threads side by side on a row: a power of two dividing the row's 16-byte chunks
-    # (head dim 96 has 12: 4 threads take 3 chunks each), so a pass covers whole rows
-    threads_per_row = _largest_pow2_divisor(cols // elems, 32)
-    copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sX.element_type, num_bits_per_copy=128)
-    thr_layout = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
-    tiled_copy = cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, elems)))
+    copy_atom, tiled_copy = row_copy(sX.element_type, cols, num_threads)
     thr_copy = tiled_copy.get_slice(tidx)
     tXsX = thr_copy.partition_S(sX)
     tXgX = thr_copy.partition_D(gX)
@@ -83,9 +77,22 @@ def store_rows(sX: cute.Tensor, gX: cute.Tensor, num_rows, tidx, num_threads: cu
             cute.copy(copy_atom, tXsX[None, m, None], tXgX[None, m, None])
 
 
-def _largest_pow2_divisor(n: int, limit: int) -> int:
-    # plain Python (runs while tracing): a loop in a @cute.jit body would be staged
-    p = 1
-    while n % (2 * p) == 0 and 2 * p <= limit:
+def row_copy(dtype, cols: int, num_threads: int):
+    """(copy atom, tiled copy) moving rows of `cols` elements 16 bytes per thread and
+    instruction: threads side by side on a row (a power of two dividing the row's 16-byte
+    chunks: head dim 96 has 12, so 4 threads take 3 chunks each), so each pass of
+    num_threads threads covers whole rows. Plain Python, run while tracing."""
+    elems = 128 // dtype.width
+    tpr = threads_per_row(dtype, cols)
+    copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    thr_layout = cute.make_ordered_layout((num_threads // tpr, tpr), order=(1, 0))
+    return copy_atom, cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, elems)))
+
+
+def threads_per_row(dtype, cols: int) -> int:
+    """row_copy's threads per row: the largest power of two (at most a warp) dividing the
+    row's 16-byte chunks. A loop in a @cute.jit body would be staged: plain Python here."""
+    chunks, p = cols // (128 // dtype.width), 1
+    while chunks % (2 * p) == 0 and 2 * p <= 32:
         p *= 2
     return p

@@ -9,8 +9,9 @@ imports another: what two kernels share lives in cute_attn/blocks/.
   bwd_sm90     FlashBwdSm90: dK, dV for one KV tile per CTA and its share of dQ, added
                into an fp32 accumulator with bulk reduce-adds (deterministic mode orders
                them with turn counters) or, at head dim 256, vector atomics (dq_atomic).
-  bwd_prepost  BwdPreprocess (D = rowsum(dO * O), LSE * log2(e), padded to whole tiles)
-               and BwdPostprocess (dQ from the fp32 accumulator), one query tile per CTA.
+  bwd_prepost  BwdPreprocess (D = rowsum(dO * O), LSE * log2(e), padded to whole tiles;
+               the tile's dQ_accum chunk zeroed) and BwdPostprocess (dQ from the fp32
+               accumulator), one query tile per CTA.
                FlashFwdSm90SplitKV: the same with FwdConfig.split_kv, several CTAs per
                query tile, the tile's last one merging their partials by LSE.
   kv_append    KVAppend: a decode step's new keys and values into the KV cache, in place.

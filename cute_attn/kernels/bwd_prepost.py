@@ -1,8 +1,9 @@
 """The small kernels around the Hopper backward (kernels/bwd_sm90.py).
 
-BwdPreprocess, one warp per query row (memory-bound, a few percent of the backward):
+BwdPreprocess, one CTA per query tile (memory-bound):
   D[b, h, i]    = sum_d dO[b, i, h, d] * O[b, i, h, d]     (fp32)
   LSE2[b, h, i] = LSE[b, h, i] * log2(e)
+  dQ_accum[b, h, the tile's chunk] = 0
 for i < seqlen_q rounded up to the backward's tile_m, so the main kernel loads whole tiles
 as one aligned chunk. Padding rows and rows that saw no key (LSE = -inf) get LSE2 = +inf,
 which makes their recomputed P exactly 0 (exp2(S - inf)); padding rows get D = 0. Packed
@@ -25,10 +26,13 @@ from cutlass import Float32, Int32
 from cute_attn.blocks import dq_accum, epilogue, mma_sm90
 from cute_attn.blocks.seqlen import SeqlenInfo
 from cute_attn.blocks.tile_scheduler import TileScheduler
-from cute_attn.blocks.views import bshd_as_sdhb
+from cute_attn.blocks.views import bshd_as_sdhb, rowwise_as_rhb
 from cute_attn.config import AttnFeatures, BwdConfig, DtypePolicy
 
-_ROWS_PER_WARP = 16
+# The preprocess holds every load of its tile in registers at once: 256 threads keep that
+# at 52 registers a thread at head dim 64 / 128 (128 threads took 92: 20 warps an SM, and
+# the kernel ran 82.7 us against 72.9 at b32 x 512 x 32 heads, H200, perf/NOTES.md)
+_THREADS = 256
 
 
 class BwdPreprocess:
@@ -37,8 +41,11 @@ class BwdPreprocess:
         self.head_dim = head_dim
         self.tile_m = config.tile_m
         self.varlen = features.varlen
-        assert self.tile_m % _ROWS_PER_WARP == 0 and head_dim % 32 == 0
-        self.num_warps = self.tile_m // _ROWS_PER_WARP
+        assert self.tile_m % 16 == 0 and head_dim % 32 == 0
+        # rows of O and dO move 16 bytes per thread and load (epilogue.row_copy); a pass of
+        # the CTA covers whole rows, and the tile a whole number of passes
+        tpr = epilogue.threads_per_row(self.dtype, head_dim)
+        self.num_threads = math.gcd(self.tile_m, _THREADS // tpr) * tpr
         self.scheduler = TileScheduler(self.tile_m, self.varlen)
 
     @cute.jit
@@ -49,47 +56,83 @@ class BwdPreprocess:
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q)
         mLSE2: cute.Tensor,  # (batch, heads, padded rows)
         mD: cute.Tensor,  # (batch, heads, padded rows)
+        mdQaccum: cute.Tensor,  # (batch, heads, m_blocks * tile_m * head_dim), float32
         mCuSeqlensQ: cute.Tensor,  # varlen only
         max_seqlen_q: Int32,  # varlen only
         stream,
     ):
-        grid = self.scheduler.grid(bshd_as_sdhb(mO), mCuSeqlensQ, max_seqlen_q)
-        self.kernel(mO, mdO, mLSE, mLSE2, mD, mCuSeqlensQ).launch(
-            grid=grid, block=[32 * self.num_warps, 1, 1], stream=stream
+        mO, mdO = bshd_as_sdhb(mO), bshd_as_sdhb(mdO)
+        grid = self.scheduler.grid(mO, mCuSeqlensQ, max_seqlen_q)
+        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQaccum, mCuSeqlensQ).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(
         self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-        mD: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+        mD: cute.Tensor, mdQaccum: cute.Tensor, mCuSeqlensQ: cute.Tensor,
     ):
         m_block, head, batch, _ = self.scheduler.tile()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
+        tidx, _, _ = cute.arch.thread_idx()
         seqlen = SeqlenInfo(
-            batch, mO.shape[1], mO.shape[1], mCuSeqlensQ, mCuSeqlensQ, self.varlen, tile_m_padded=self.tile_m
+            batch, mO.shape[0], mO.shape[0], mCuSeqlensQ, mCuSeqlensQ, self.varlen, tile_m_padded=self.tile_m
         )
         b = seqlen.batch
-        first_row = (seqlen.padded_m_block_offset + m_block) * self.tile_m
         # varlen: tiles past this sequence's padded end belong to no one
         if not self.varlen or m_block * self.tile_m < seqlen.seqlen_q:
-            for i in cutlass.range(_ROWS_PER_WARP, unroll=1):
-                row = m_block * self.tile_m + warp * _ROWS_PER_WARP + i
+            tile = (self.tile_m, self.head_dim)
+            copy_atom, tiled_copy = epilogue.row_copy(self.dtype, self.head_dim, self.num_threads)
+            thr_copy = tiled_copy.get_slice(tidx)
+            tOgO = thr_copy.partition_S(cute.local_tile(seqlen.rows_q(mO, head), tile, (m_block, 0)))
+            tOgdO = thr_copy.partition_S(cute.local_tile(seqlen.rows_q(mdO, head), tile, (m_block, 0)))
+            tOcO = thr_copy.partition_S(cute.make_identity_tensor(tile))
+            tOrO = cute.make_rmem_tensor_like(tOgO)
+            tOrdO = cute.make_rmem_tensor_like(tOgdO)
+            passes = cute.size(tOgO.shape[1])
+            lse = cute.make_rmem_tensor((passes,), Float32)
+            mLSE_rows = seqlen.stats_q(rowwise_as_rhb(mLSE), head)
+            rows_left = seqlen.seqlen_q - m_block * self.tile_m
+            # every load first (the rows' LSEs too), so a CTA waits for memory about once: a
+            # load after each row's D store waits a round trip per pass (the stores may alias)
+            for m in cutlass.range_constexpr(passes):
+                row = tOcO[0, m, 0][0]
+                if row < rows_left:
+                    cute.copy(copy_atom, tOgO[None, m, None], tOrO[None, m, None])
+                    cute.copy(copy_atom, tOgdO[None, m, None], tOrdO[None, m, None])
+                    lse[m] = mLSE_rows[m_block * self.tile_m + row]
+            # the stores drain while the loads are in flight
+            self._zero_dq_accum(mdQaccum, b, head, dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block), tidx)
+            tpr = epilogue.threads_per_row(self.dtype, self.head_dim)
+            first_row = (seqlen.padded_m_block_offset + m_block) * self.tile_m
+            for m in cutlass.range_constexpr(passes):
+                row = tOcO[0, m, 0][0]
                 dot = Float32(0.0)
                 lse2 = Float32.inf
-                if row < seqlen.seqlen_q:
-                    src = seqlen.offset_q + row
-                    # lanes read adjacent elements: each load instruction covers 64 bytes
-                    for j in cutlass.range_constexpr(self.head_dim // 32):
-                        col = lane + 32 * j
-                        dot += Float32(mO[b, src, head, col]) * Float32(mdO[b, src, head, col])
-                    dot = cute.arch.warp_reduction_sum(dot)
-                    lse = mLSE[b, head, src]
-                    lse2 = Float32.inf if lse == -Float32.inf else lse * math.log2(math.e)
-                if lane == 0:
-                    dst = first_row + warp * _ROWS_PER_WARP + i
-                    mD[b, head, dst] = dot
-                    mLSE2[b, head, dst] = lse2
+                if row < rows_left:
+                    o = tOrO[None, m, None].load().to(Float32)
+                    do = tOrdO[None, m, None].load().to(Float32)
+                    dot = (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    if lse[m] != -Float32.inf:
+                        lse2 = lse[m] * math.log2(math.e)
+                # the row's threads are adjacent lanes: reduce over them (all lanes take part)
+                dot = cute.arch.warp_reduction_sum(dot, threads_in_group=tpr)
+                if tidx % tpr == 0:
+                    mD[b, head, first_row + row] = dot
+                    mLSE2[b, head, first_row + row] = lse2
+
+    @cute.jit
+    def _zero_dq_accum(self, mdQaccum: cute.Tensor, b, head, chunk, tidx):
+        """Zero this query block's dQ_accum chunk (the main kernel adds into it): one pass
+        over the buffer instead of a torch.zeros launch before this kernel, 16-byte stores."""
+        size = self.tile_m * self.head_dim
+        gZ = cute.local_tile(mdQaccum[b, head, None], (size,), (chunk,))
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        zero_copy = cute.make_tiled_copy_tv(atom, cute.make_layout(self.num_threads), cute.make_layout(4))
+        tZgZ = zero_copy.get_slice(tidx).partition_D(gZ)
+        zeros = cute.make_rmem_tensor_like(tZgZ[None, 0])
+        zeros.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(tZgZ.shape[1])):
+            cute.copy(atom, zeros, tZgZ[None, i])
 
 
 class BwdPostprocess:

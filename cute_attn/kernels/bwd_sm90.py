@@ -3,7 +3,8 @@
 Given Q, K, V, dO and the forward's LSE, computes dK and dV for one (n_block, head, batch)
 tile of keys per CTA, and adds that tile's share of dQ into an fp32 accumulator. Three
 kernels run in order (the other two are in kernels/bwd_prepost.py):
-  1. preprocess: D = rowsum(dO * O) and LSE * log2(e), padded to whole query tiles;
+  1. preprocess: D = rowsum(dO * O) and LSE * log2(e), padded to whole query tiles, and
+     each query tile's dQ_accum chunk zeroed;
   2. this kernel;
   3. postprocess: dQ = softmax_scale * dQ_accum, converted to the input dtype.
 
