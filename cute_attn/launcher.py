@@ -1289,9 +1289,7 @@ def run_bwd(
     f32 = dict(dtype=torch.float32, device=q.device)
     lse2 = torch.empty((stats_batch, heads, rows), **f32)
     dsum = torch.empty((stats_batch, heads, rows), **f32)
-    # bulk reduce-adds or atomics (dq_atomic) accumulate into it: the preprocess zeroes
-    # each query tile's chunk (a torch.zeros was a second pass over it, perf/NOTES.md)
-    dq_accum = torch.empty((stats_batch, heads, rows * head_dim), **f32)
+    dq_accum = _unset_dq_accum((stats_batch, heads, rows * head_dim), q.device)
     if deterministic:
         # one turn counter per (batch, head, query block)
         semaphore = torch.zeros((stats_batch, heads, rows // tile_m), dtype=torch.int32, device=q.device)
@@ -1314,6 +1312,14 @@ def run_bwd(
         d = dsum[0][:, _padded_rows(args.cu_seqlens_q, lse_in.shape[-1], tile_m)]  # (heads, total_q)
         return dq, dk, dv, _sink_grad(d[None], lse_in[None], sink)
     return dq, dk, dv, _sink_grad(dsum[..., :lse_in.shape[-1]], lse_in, sink)
+
+
+def _unset_dq_accum(shape: tuple, device: torch.device) -> torch.Tensor:
+    """The backward's fp32 dQ accumulator, allocated unset: bulk reduce-adds or atomics
+    (dq_atomic) accumulate into it, and the preprocess zeroes each query tile's chunk
+    first (blocks/dq_accum.py; a torch.zeros here was a second pass over the buffer,
+    perf/NOTES.md session 30). The GPU tests fill it with NaN through this function."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _padded_rows(cu_seqlens_q: torch.Tensor, total_q: int, tile_m: int) -> torch.Tensor:

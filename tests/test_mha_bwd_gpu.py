@@ -12,6 +12,8 @@ product of head_dim terms of size up to ~30 here: ~head_dim * 2^-24 * 30 ~ 2e-4.
 covers it and stays below a quarter ulp of bf16 gradients of magnitude >= 1.
 """
 
+import itertools
+
 import pytest
 import torch
 from gpu_helpers import backward_buffer_bytes, exact_fp32_matmul, poison_allocator  # noqa: F401 (fixture)
@@ -85,6 +87,38 @@ def test_grads_match_reference(case, causal):
     q, k, v, dout = _inputs(b, sq, sk, h, d, dtype)
     grads = _kernel_grads(q, k, v, dout, causal=causal)
     _check_grads(q, k, v, dout, grads, causal=causal)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_grads_from_a_nan_dq_accum(monkeypatch, d, varlen):
+    """The preprocess zeroes every dQ_accum chunk the main kernel adds into and the
+    postprocess reads: with the buffer handed over full of NaN (instead of whatever the
+    allocator had), the gradients are still right. Lengths not multiples of any tile_m;
+    varlen packs three sequences, so chunks of padding sit between them."""
+    from cute_attn import launcher
+
+    real = launcher._unset_dq_accum
+    monkeypatch.setattr(launcher, "_unset_dq_accum", lambda shape, device: real(shape, device).fill_(float("nan")))
+    if not varlen:
+        q, k, v, dout = _inputs(2, 300, 517, 2, d, BF16)
+        grads = _kernel_grads(q, k, v, dout, causal=True)
+        _check_grads(q, k, v, dout, grads, causal=True)
+        return
+    lens_q, lens_k = (77, 300, 129), (200, 65, 333)
+    starts_q, starts_k = ([0, *itertools.accumulate(n)] for n in (lens_q, lens_k))
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (starts_q, starts_k))
+    torch.manual_seed(1)
+    q = torch.randn(sum(lens_q), 2, d, dtype=BF16, device="cuda")
+    k, v = (torch.randn(sum(lens_k), 2, d, dtype=BF16, device="cuda") for _ in range(2))
+    dout = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = cute_attn.mha_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    for b in range(len(lens_q)):  # each sequence against the dense rule
+        rq, rk = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+        _check_grads(q[None, rq], k[None, rk], v[None, rk], dout[None, rq],
+                     (grads[0][None, rq], grads[1][None, rk], grads[2][None, rk]), causal=True)
 
 
 @pytest.mark.parametrize("softmax_scale", [0.05, 2.0])

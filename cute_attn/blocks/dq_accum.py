@@ -1,8 +1,11 @@
-"""The backward's fp32 dQ accumulator: the contract between the main kernel, which adds
-each query tile's dQ into it (kernels/bwd_sm90.py: bulk reduce-adds of an sdQ tile by the
-dQ writer warp, or with BwdConfig.dq_atomic vector atomics straight from the consumers'
-registers, `add_from_registers`), and the postprocess, which reads it back and writes dQ
-(kernels/bwd_prepost.py).
+"""The backward's fp32 dQ accumulator: the contract between the preprocess, which zeroes
+each query tile's chunk (kernels/bwd_prepost.py; the launcher allocates the buffer
+unset), the main kernel, which adds each query tile's dQ into it (kernels/bwd_sm90.py:
+bulk reduce-adds of an sdQ tile by the dQ writer warp, or with BwdConfig.dq_atomic vector
+atomics straight from the consumers' registers, `add_from_registers`), and the
+postprocess, which reads it back and writes dQ (kernels/bwd_prepost.py). The preprocess
+and the postprocess cover the same chunks (the same grid and guard); chunks neither
+covers (varlen padding past a sequence's tiles) stay unset and are never read.
 
 Layout: per (batch, head), one chunk of tile_m * head_dim floats per query block, in
 query block order. Varlen batches pad each sequence to whole query tiles

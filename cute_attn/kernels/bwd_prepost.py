@@ -29,9 +29,10 @@ from cute_attn.blocks.tile_scheduler import TileScheduler
 from cute_attn.blocks.views import bshd_as_sdhb, rowwise_as_rhb
 from cute_attn.config import AttnFeatures, BwdConfig, DtypePolicy
 
-# The preprocess holds every load of its tile in registers at once: 256 threads keep that
-# at 52 registers a thread at head dim 64 / 128 (128 threads took 92: 20 warps an SM, and
-# the kernel ran 82.7 us against 72.9 at b32 x 512 x 32 heads, H200, perf/NOTES.md)
+# Threads of a preprocess CTA (fewer where tile_m has no multiple of 256 / threads-per-row
+# rows: head dim 96 at tile_m 80). At head dim 64 / 128 the default tiles take 52
+# registers; 128 threads took 92 (20 warps an SM) and ran 82.7 us against 72.9 at
+# b32 x 512 x 32 heads (H200, perf/NOTES.md session 30)
 _THREADS = 256
 
 
