@@ -4,9 +4,13 @@ dq_atomic; perf/NOTES.md, session 15). bf16, batch x seqlen = 16K tokens, 2048 /
 heads (10 at 192), interleaved rounds of triton's do_bench medians (perf/harness.py); before
 timing, each variant's gradients are compared with the default's (max relative difference).
 
-    python3 perf/ab_bwd_configs.py [rounds] [seqlens] [head dims] [variants] [causal: 0,1]
+    python3 perf/ab_bwd_configs.py [rounds] [seqlens] [head dims] [variants] [causal: 0,1] [window]
     python3 perf/ab_bwd_configs.py 3 4096,16384 256,192 sdq,atomic
     python3 perf/ab_bwd_configs.py 5 1024,4096,16384 128,64 atomic 1
+    python3 perf/ab_bwd_configs.py 3 16384 128 ds2,dqwg,copy 0 4096:0   # window_size (4096, 0)
+
+A window (LEFT:RIGHT, FlashAttention's window_size; causal is then ignored) times
+cute_attn and FA4 with it (cuDNN's SDPA has no window), TFLOP/s of the visible pairs.
 
 Variants (forced through launcher.bwd_config_for, where they apply to the head dim).
 "The 64-row default" is m64 below: the default itself but at head dim 128 (no mask, or
@@ -43,6 +47,7 @@ import torch
 
 sys.path.insert(0, "perf")
 import harness  # noqa: E402
+from bench_features import visible_pairs  # noqa: E402
 from cute_attn import config, launcher  # noqa: E402
 
 def _default(d, f, s):
@@ -112,6 +117,19 @@ def forced(cfg):
         launcher.bwd_config_for = real
 
 
+def windowed(impls, window):
+    """cute_attn and FA4 with window_size=window (their fn's causal flag unused)."""
+    import cute_attn
+    from flash_attn.cute import flash_attn_func
+
+    def fa4(q, k, v, causal):
+        out = flash_attn_func(q, k, v, window_size=window)
+        return out[0] if isinstance(out, tuple) else out
+
+    fns = {"cute_attn": lambda q, k, v, causal: cute_attn.mha(q, k, v, window_size=window), "fa4": fa4}
+    return {n: dataclasses.replace(i, fn=fns[n]) for n, i in impls.items() if n in fns}
+
+
 def max_rel_diff(grads, ref):
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(grads, ref))
 
@@ -122,11 +140,14 @@ def main():
     head_dims = harness.parse_int_list(sys.argv[3] if len(sys.argv) > 3 else "256,192")
     names = (sys.argv[4] if len(sys.argv) > 4 else "sdq").split(",")
     causals = harness.parse_flag_list(sys.argv[5] if len(sys.argv) > 5 else "0,1")
+    window = tuple(int(x) for x in sys.argv[6].split(":")) if len(sys.argv) > 6 else None
     print(torch.cuda.get_device_name(), flush=True)
     base, _ = harness.load_impls(["cute_attn", "fa4", "sdpa_cudnn"])
+    if window is not None:
+        base, causals = windowed(base, window), [0]
     for d in head_dims:
         for causal in map(bool, causals):
-            features = config.AttnFeatures(mask="causal" if causal else "none")
+            features = config.AttnFeatures(mask="local" if window else "causal" if causal else "none")
             for s in seqlens:
                 impls = dict(base)
                 for name in names:
@@ -147,7 +168,8 @@ def main():
                 del grads
                 first = {n: (lambda i=i: harness.make_impl_timer(i, "bwd", q, k, v, causal, dout)) for n, i in impls.items()}
                 ms, _ = harness.time_interleaved(first, rounds, lambda n, e: print("skip", n, harness.reason(e)))
-                flops = harness.BWD_FLOP_FACTOR * 4 * b * nheads * s * s * d / (2 if causal else 1)
+                pairs = visible_pairs(s, s, causal, window) if window else s * s / (2 if causal else 1)
+                flops = harness.BWD_FLOP_FACTOR * 4 * b * nheads * pairs * d
                 tf = {n: flops / harness.median_ms(m) / 1e9 for n, m in ms.items()}
                 ratio = lambda a, c: f"{tf[a] / tf[c]:.2f}" if a in tf and c in tf else "-"  # noqa: E731
                 print(f"hd{d} {'causal' if causal else 'full'} s{s} b{b} h{nheads}: "
