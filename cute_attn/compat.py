@@ -1,7 +1,7 @@
 """Drop-in entry points with the argument conventions of FlashAttention 2
-(`flash_attn_func`, `flash_attn_varlen_func`) and of PyTorch's
+(`flash_attn_func`, `flash_attn_varlen_func`, `flash_attn_with_kvcache`) and of PyTorch's
 `torch.nn.functional.scaled_dot_product_attention` (`sdpa`), computed by `cute_attn.mha` /
-`cute_attn.mha_varlen`.
+`cute_attn.mha_varlen` / `cute_attn.mha_with_kvcache`.
 
 Only what those kernels compute is accepted: an argument asking for something else
 (ALiBi, a paged varlen cache, an arbitrary attention mask) raises
@@ -22,7 +22,7 @@ from cute_attn.api import _NO_WINDOW, mha, mha_varlen
 from cute_attn.config import UNBOUNDED
 from cute_attn.validation import _BOOL_TYPES
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "sdpa"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "sdpa"]
 
 # FlashAttention 2's (out, softmax_lse, S_dmask) with return_attn_probs=True; S_dmask is
 # always None here (see flash_attn_func)
@@ -68,17 +68,22 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
     the backward bit-reproducible.
 
     Returns out, like q; with return_attn_probs=True, (out, softmax_lse, None):
-    softmax_lse float32 (batch, nheads, seqlen_q), natural log, not differentiable. The
-    third item is None because the attention probabilities S are never materialised
-    (nothing of size seqlen^2 exists in the kernels). dropout_p > 0 runs mha's dropout
-    (its seed drawn from torch's generator; cute_attn.dropout_mask recomputes a mask from
-    a seed passed to mha itself).
+    softmax_lse float32 (batch, nheads, seqlen_q), natural log, not differentiable; a row
+    that sees no key has -inf (FlashAttention 3's value; FlashAttention 2's non-split
+    kernels write +inf there). The third item is None, as FlashAttention 2's is without
+    dropout: the probabilities S are never materialised (nothing of size seqlen^2 exists
+    in the kernels), so return_attn_probs with dropout_p > 0, where FlashAttention 2
+    returns S_dmask, is refused. dropout_p > 0 runs mha's dropout (its seed drawn from
+    torch's generator; cute_attn.dropout_mask recomputes a mask from a seed passed to mha
+    itself).
 
-    Raises NotImplementedError for alibi_slopes other than None; TypeError / ValueError
-    (from mha) for what mha rejects.
+    Raises NotImplementedError for alibi_slopes other than None and for
+    return_attn_probs with dropout_p > 0; TypeError / ValueError (from mha) for what mha
+    rejects.
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     with_probs = _checked_bool("return_attn_probs", return_attn_probs)
+    _reject_dropout_mask(with_probs, dropout_p)
     result = mha(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=with_probs,
                  deterministic=deterministic, **_set_options(window_size, softcap, dropout_p))
     return _fa2_result(result, with_probs)
@@ -128,11 +133,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
     Returns out (total_q, nheads, headdim), or with return_attn_probs=True
     (out, softmax_lse, None) with softmax_lse float32 (nheads, total_q) (FlashAttention 2's
-    varlen layout); None for S_dmask as in `flash_attn_func`.
+    varlen layout; -inf for rows that see no key); None for S_dmask as in
+    `flash_attn_func`.
 
     dropout_p > 0 runs mha_varlen's dropout as flash_attn_func runs mha's (sequence b
     draws the mask of batch entry b). Raises NotImplementedError for alibi_slopes or
-    block_table (a paged KV cache) other than None.
+    block_table (a paged KV cache) other than None, and for return_attn_probs with
+    dropout_p > 0 (S_dmask).
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     if block_table is not None:
@@ -141,6 +148,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             "cute_attn; pass block_table=None with k, v packed as (total_k, nheads_kv, headdim)"
         )
     with_probs = _checked_bool("return_attn_probs", return_attn_probs)
+    _reject_dropout_mask(with_probs, dropout_p)
     result = mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                         softcap=softcap, return_lse=with_probs, deterministic=deterministic,
@@ -156,6 +164,17 @@ def _reject_unsupported(dropout_p, alibi_slopes):
     if alibi_slopes is not None:
         raise NotImplementedError(
             "alibi_slopes is not supported: cute_attn has no ALiBi bias; pass alibi_slopes=None"
+        )
+
+
+def _reject_dropout_mask(with_probs: bool, dropout_p) -> None:
+    """FlashAttention 2 returns S_dmask (the probabilities, the dropout pattern in their
+    sign) for return_attn_probs with dropout: nothing here materialises it."""
+    if with_probs and dropout_p > 0:
+        raise NotImplementedError(
+            "return_attn_probs=True with dropout_p > 0 (FlashAttention 2's S_dmask) is not "
+            "supported: cute_attn never materialises the attention probabilities; pass "
+            "return_attn_probs=False, or dropout_p=0 for (out, softmax_lse, None)"
         )
 
 
@@ -265,8 +284,10 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
     by 1 / (1 - p), as torch's), its seed drawn from torch's generator.
 
     Raises NotImplementedError for attn_mask other than None (no arbitrary mask);
-    ValueError for inputs that are not 4-D or head counts that need enable_gqa; the rest
-    as mha.
+    ValueError for inputs that are not 4-D, head counts that need enable_gqa, and what
+    torch broadcasts but the kernels do not take: key and value with different head
+    counts, a batch of 1 against a larger one, value's headdim unlike query's; the rest
+    (dropout_p in [0, 1), dtypes, devices) as mha.
     """
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
@@ -296,6 +317,24 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
             f"sdpa: query has {heads} heads, key {heads_k} and value {heads_v}: with "
             "enable_gqa=False (the default) they must be equal (or 1, broadcast); pass "
             "enable_gqa=True for GQA (heads_kv dividing heads), as with torch's SDPA"
+        )
+    if heads_k != heads_v:
+        # torch broadcasts or repeats key and value apart; mha reads one KV head count
+        raise ValueError(
+            f"sdpa: key has {heads_k} heads and value {heads_v}: cute_attn.sdpa needs them "
+            "equal (torch's SDPA broadcasts them apart)"
+        )
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        raise ValueError(
+            f"sdpa: query, key and value must have the same batch (dim 0), got "
+            f"{query.shape[0]}, {key.shape[0]}, {value.shape[0]} (torch's SDPA broadcasts a "
+            "batch of 1; expand it first)"
+        )
+    if not query.shape[3] == key.shape[3] == value.shape[3]:
+        raise ValueError(
+            f"sdpa: query, key and value must have the same headdim (dim 3), got "
+            f"{query.shape[3]}, {key.shape[3]}, {value.shape[3]} (torch's SDPA allows value's "
+            "to differ; cute_attn's kernels do not)"
         )
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if value.shape[2] != seqlen_k:

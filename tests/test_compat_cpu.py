@@ -345,6 +345,8 @@ FA2_REJECTED = [
     (dict(dropout_p=None), TypeError, "dropout_p must be a float"),
     (dict(alibi_slopes=torch.zeros(2)), NotImplementedError, "alibi_slopes is not supported"),
     (dict(return_attn_probs=1), TypeError, "return_attn_probs must be a bool"),
+    # FlashAttention 2 returns S_dmask here; never silently None
+    (dict(return_attn_probs=True, dropout_p=0.1), NotImplementedError, r"return_attn_probs=True with dropout_p > 0"),
 ]
 
 
@@ -447,6 +449,27 @@ def test_sdpa_rejects_key_value_seqlen_mismatch_before_cutting_keys(trap):
     query, key, value = _sdpa_inputs(seqlens=(3, 6, 7))
     with pytest.raises(ValueError, match="key and value must have the same seqlen"):
         cute_attn.sdpa(query, key, value, is_causal=True)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (((2, 4, 5, 64), (2, 1, 6, 64), (2, 4, 6, 64)), "key has 1 heads and value 4"),
+    (((2, 4, 5, 64), (1, 4, 6, 64), (1, 4, 6, 64)), "same batch"),
+    (((2, 4, 5, 64), (2, 4, 6, 64), (2, 4, 6, 32)), "same headdim"),
+], ids=["key-heads-broadcast", "batch-broadcast", "value-headdim"])
+def test_sdpa_rejects_what_torch_broadcasts_but_the_kernels_do_not_take(trap, shapes, message):
+    """torch's SDPA runs these (broadcast key heads or batch, another value headdim);
+    cute_attn.sdpa names them in SDPA's terms before mha would, in its own."""
+    query, key, value = (torch.randn(s) for s in shapes)
+    F.scaled_dot_product_attention(query, key, value, enable_gqa=True)  # torch takes them
+    with pytest.raises(ValueError, match=f"sdpa: .*{message}"):
+        cute_attn.sdpa(query, key, value, enable_gqa=True)
+
+
+def test_compat_all_names_every_entry_point():
+    import cute_attn.compat as compat
+
+    assert set(compat.__all__) == {"flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "sdpa"}
+    assert all(getattr(cute_attn, name) is getattr(compat, name) for name in compat.__all__)
 
 
 def test_sdpa_rejects_a_non_tensor(trap):
