@@ -205,8 +205,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     entry holds that many keys) or None (every entry full: its rows, or its pages times
     the page size; then no new k, v fit). An int or None is checked on the host: the
     entry's keys plus the new tokens must fit the cache (a ValueError otherwise). block_table is the paged
-    cache's page table (mha_with_kvcache's page_table). Returns out, or (out, softmax_lse)
-    with return_softmax_lse=True. Raises NotImplementedError naming rotary_cos /
+    cache's page table (mha_with_kvcache's page_table); both are made contiguous, as
+    FlashAttention 2 does. Returns out, or (out, softmax_lse) with return_softmax_lse=True. Raises NotImplementedError naming rotary_cos /
     rotary_sin, cache_batch_idx, cache_leftpad and alibi_slopes when given."""
     from cute_attn.kvcache import mha_with_kvcache
 
@@ -217,6 +217,12 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by cute_attn; pass None")
     if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
         cache_seqlens = _host_cache_seqlens(q, k_cache, k, cache_seqlens, block_table)
+    # FlashAttention 2 makes these small tensors contiguous (maybe_contiguous); so do we
+    # (a no-op when they are; a device copy otherwise, no host sync)
+    if isinstance(cache_seqlens, Tensor):
+        cache_seqlens = cache_seqlens.contiguous()
+    if isinstance(block_table, Tensor):
+        block_table = block_table.contiguous()
     return mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=block_table,
                             causal=causal, window_size=window_size, softcap=softcap,
                             softmax_scale=softmax_scale, num_splits=num_splits,

@@ -12,12 +12,13 @@ producer assembles each KV block from TMA boxes of one page each (FwdConfig.page
 
 from typing import Optional, Union
 
+import torch
 from torch import Tensor
 
 from cute_attn import api
 from cute_attn.bounded_cache import remember
 from cute_attn.config import RunArgs, attn_features
-from cute_attn.kvcache_checks import validate_kvcache_inputs
+from cute_attn.kvcache_checks import separate_caches, validate_kvcache_inputs
 
 _TensorPair = tuple[Tensor, Tensor]
 
@@ -71,12 +72,16 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
                      cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
                      _layout(k), _layout(v), _layout(page_table), causal, softmax_scale, num_splits)
         step = _decode_steps.get(signature)
-        # what a signature leaves open: the addresses (TMA needs 16-byte ones) and a
-        # negative-bit view of the same layout
+        # what a signature leaves open: the addresses (TMA needs 16-byte ones; an append
+        # into caches at one address), a negative-bit view of the same layout, and grad
         if step is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
                                      | (0 if k is None else k.data_ptr() | v.data_ptr())) & 15 \
                 and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg()
-                         or (k is not None and (k.is_neg() or v.is_neg()))):
+                         or (k is not None and (k.is_neg() or v.is_neg()))) \
+                and (k is None or separate_caches(k_cache, v_cache, k, v)) \
+                and not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                                      or v_cache.requires_grad
+                                                      or (k is not None and (k.requires_grad or v.requires_grad)))):
             return step(q, k_cache, v_cache, k, v, cache_seqlens, page_table, return_lse)
     problem = validate_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=page_table, causal=causal,
@@ -84,8 +89,9 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
         return_lse=return_lse, check_inputs=check_inputs)
     lengths = cache_seqlens
     traced = api._traced(q)
-    if problem.seqlen_new:
-        # one kernel writes k, v into the caches and returns the new lengths (device-side)
+    if problem.seqlen_new and problem.batch and problem.nheads_kv:
+        # one kernel writes k, v into the caches and returns the new lengths (device-side);
+        # an empty batch or no heads has nothing to write (and no grid to launch)
         if traced:
             from cute_attn import ops
 

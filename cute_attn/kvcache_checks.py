@@ -35,6 +35,7 @@ from cute_attn.validation import (
     _device_capability,
     _is_compiling,
     plainly_tma_operands,
+    pointer_unknown,
     _check_dtypes,
     _check_equal,
     _check_grid_extents,
@@ -97,6 +98,7 @@ def validate_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     device sync, an error under CUDA graph capture).
     """
     causal, return_lse, _ = validate_flags(causal, return_lse, False)
+    refuse_grad(q, k_cache, v_cache, k, v)
     if not isinstance(check_inputs, _BOOL_TYPES):
         raise TypeError(f"check_inputs must be a bool (True or False), got {type(check_inputs).__name__} {check_inputs!r}")
     # the defaults skip their checks, as in api._window_and_softcap: the common call pays
@@ -121,7 +123,7 @@ def validate_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     batch, seqlen_q, nheads, head_dim = q.shape
     capacity, page_size, num_pages = _check_caches(q, k_cache, v_cache, page_table)
     nheads_kv = k_cache.shape[2]
-    seqlen_new = _check_new_tokens(q, k_cache, k, v, capacity, paged=page_table is not None)
+    seqlen_new = _check_new_tokens(q, k_cache, v_cache, k, v, capacity, paged=page_table is not None)
     _check_cache_seqlens(cache_seqlens, q)
 
     metadata = {"cache_seqlens": cache_seqlens}
@@ -187,6 +189,9 @@ def _plainly_valid(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax
             return False
         ns = k.shape
         if len(ns) != 4 or v.shape != ns or ns[0] != b or ns[2] != hkv or ns[3] != d or ns[1] > capacity:
+            return False
+        if sq > capacity or (k is not v and (k_cache is v_cache or (
+                not pointer_unknown(k_cache) and not separate_caches(k_cache, v_cache, k, v)))):
             return False
         if not plainly_tma_operands(policy, k, v, v):
             return False
@@ -308,7 +313,7 @@ def _check_paged_cache(q, k_cache, page_table):
     return page_size, k_cache.shape[0]
 
 
-def _check_new_tokens(q, k_cache, k, v, capacity, paged):
+def _check_new_tokens(q, k_cache, v_cache, k, v, capacity, paged):
     """k, v (when given) shaped (batch, seqlen_new, nheads_kv, headdim), seqlen_new within
     the capacity; returns seqlen_new (0 without them)."""
     if k is None:
@@ -323,7 +328,35 @@ def _check_new_tokens(q, k_cache, k, v, capacity, paged):
             f"k seqlen_new must be <= the cache capacity ({capacity} keys per entry: "
             f"{_capacity_terms(k_cache, capacity, paged)}), got {seqlen_new}"
         )
+    if q.shape[1] > capacity:  # FlashAttention's rule when new keys are given
+        raise ValueError(
+            f"with k and v given, q seqlen_q must be <= the cache capacity ({capacity} keys per entry: "
+            f"{_capacity_terms(k_cache, capacity, paged)}), got {q.shape[1]}"
+        )
+    if k is not v and k_cache.numel() and (k_cache is v_cache or (
+            not (pointer_unknown(k_cache) or pointer_unknown(v_cache)) and not separate_caches(k_cache, v_cache, k, v))):
+        raise ValueError(
+            "k_cache and v_cache are the same memory: the new v would overwrite the new k "
+            "in it (the append writes both); pass separate caches (or k is v)"
+        )
     return seqlen_new
+
+
+def separate_caches(k_cache, v_cache, k, v) -> bool:
+    """False when an append would write k and v into the same memory (the caches at one
+    address, unless k is v; empty caches have none): real pointers only (the decode fast
+    path reads them too)."""
+    return k is v or k_cache.data_ptr() != v_cache.data_ptr() or not k_cache.numel()
+
+
+def refuse_grad(*tensors) -> None:
+    """mha_with_kvcache has no backward: an input that requires grad is an error, never a
+    silently non-differentiable output (as the FP8 forward)."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            "mha_with_kvcache has no backward: call it under torch.no_grad() (or "
+            "torch.inference_mode()) or with tensors that do not require grad"
+        )
 
 
 def _capacity_terms(k_cache, capacity, paged):

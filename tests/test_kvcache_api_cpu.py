@@ -355,3 +355,67 @@ def test_per_stream_scratch_is_one_per_stream_and_fresh_under_capture(monkeypatc
     capturing[0] = False
     parts = launcher._split_workspace(device, 2, 3, 4, 8, 5)
     assert parts is launcher._split_workspace(device, 2, 3, 4, 8, 5) and not parts[2].any()
+
+
+def test_an_empty_batch_or_no_heads_never_launches_the_append(launcher, monkeypatch):
+    """Nothing to write, and no grid to launch: the append kernel is not called (its grid
+    would have a zero extent), the result is the empty call's."""
+    appended = []
+    monkeypatch.setattr(launcher, "run_append", lambda *a: appended.append(a), raising=False)
+    for batch, heads, heads_kv in ((0, 8, 2), (2, 0, 0)):
+        q, k_cache, v_cache, k, v = _inputs(batch=batch, heads=heads, heads_kv=heads_kv, seqlen_q=1, seqlen_new=1)
+        out = cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v,
+                                         cache_seqlens=torch.zeros(batch, dtype=torch.int32))
+        assert out.shape == q.shape
+    assert appended == [] and launcher.calls == []
+
+
+def test_an_append_into_caches_at_one_address_is_refused(launcher):
+    """k_cache and v_cache at one address with new k, v: the append would write v over k
+    (then attend with K = V). The same tensor, or another view of the same memory; the
+    decode fast path checks it too. k is v (the same new tokens) is consistent: allowed."""
+    q, k_cache, _, k, v = _inputs()
+    lengths = torch.zeros(3, dtype=torch.int32)
+    for v_cache in (k_cache, k_cache[:]):
+        with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):
+            cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
+    assert launcher.calls == []
+    cute_attn.mha_with_kvcache(q, k_cache, k_cache, k, k, cache_seqlens=lengths)
+    cute_attn.mha_with_kvcache(q, k_cache, k_cache, cache_seqlens=lengths)  # no append
+    assert len(launcher.calls) == 2
+
+
+def test_inputs_that_require_grad_are_refused(launcher):
+    """No backward: never a silently non-differentiable output. Under no_grad it runs."""
+    q, k_cache, v_cache, k, v = _inputs()
+    lengths = torch.zeros(3, dtype=torch.int32)
+    for name in ("q", "k_cache", "k"):
+        tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+        tensors[name] = tensors[name].clone().requires_grad_()
+        with pytest.raises(NotImplementedError, match="mha_with_kvcache has no backward"):
+            cute_attn.mha_with_kvcache(tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["k"],
+                                       tensors["v"], cache_seqlens=lengths)
+        with torch.no_grad():
+            cute_attn.mha_with_kvcache(tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["k"],
+                                       tensors["v"], cache_seqlens=lengths)
+    assert len(launcher.calls) == 3
+
+
+def test_more_queries_than_the_cache_holds_with_new_keys_is_refused(launcher):
+    """FlashAttention's rule (flash_api.cpp: seqlen_q <= seqlen_k when k is supplied)."""
+    q, k_cache, v_cache, k, v = _inputs(seqlen_q=80, capacity=64)
+    with pytest.raises(ValueError, match="q seqlen_q must be <= the cache capacity"):
+        cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.zeros(3, dtype=torch.int32))
+
+
+def test_flash_attn_with_kvcache_makes_lengths_and_pages_contiguous(launcher):
+    """As FlashAttention 2's maybe_contiguous: a strided cache_seqlens or block_table works."""
+    q, k_cache, v_cache, k, v = _inputs()
+    lengths = torch.tensor([0, 9, 1, 9, 5, 9], dtype=torch.int32)[::2]
+    cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
+    assert launcher.calls[-1]["args"].cu_seqlens_k.tolist() == [2, 3, 7]
+    pages = torch.zeros(12, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.arange(24, dtype=torch.int32).view(3, 8)[:, ::2] % 12
+    cute_attn.flash_attn_with_kvcache(q, pages, pages.clone(), block_table=table,
+                                      cache_seqlens=torch.zeros(3, dtype=torch.int32))
+    assert launcher.calls[-1]["args"].page_table.is_contiguous()
