@@ -9,6 +9,7 @@ from typing import Callable, Literal, Optional, Sequence, Union, overload
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from cute_attn.block_mask import BlockMask
 from cute_attn.bounded_cache import remember
@@ -293,6 +294,10 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
     features = with_extras(features, mask, score, sink is not None, dropout_p > 0)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or (sink is not None and sink.requires_grad))
+    if torch.is_grad_enabled() and any(t.requires_grad for mod in (mask, score) if mod is not None for t in mod.aux):
+        # the kernels differentiate the score, not the mods' tensors: never a silent None
+        raise NotImplementedError("a mod's aux tensors get no gradient (ALiBi slopes, document ids...): "
+                                  "pass them detached (or under torch.no_grad())")
     if dropout_p:
         if dropout_seed is None:
             from cute_attn.dropout import new_seed
@@ -689,6 +694,7 @@ class _AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients are not differentiable: refuse create_graph's double backward
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
         s = ctx.settings

@@ -133,6 +133,12 @@ def validate_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     _check_operands(tensors, policy, softmax_scale, softcap, **metadata)
 
     if check_inputs:
+        if pointer_unknown(cache_seqlens):
+            raise ValueError(
+                "check_inputs=True reads cache_seqlens and page_table on the host, which cannot "
+                "happen on fake tensors (torch.compile's tracing, FakeTensorMode); check them "
+                "outside the compiled function and pass check_inputs=False inside it"
+            )
         if _capturing_cuda_graph():
             raise ValueError(
                 "check_inputs=True reads cache_seqlens and page_table on the host, which "

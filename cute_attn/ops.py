@@ -326,12 +326,18 @@ fwd_kvcache = torch.library.custom_op("cute_attn::fwd_kvcache", _fwd_kvcache_imp
                                       device_types="cuda")
 kv_append = torch.library.custom_op("cute_attn::kv_append", _kv_append_impl, mutates_args=("k_cache", "v_cache"),
                                     device_types="cuda")
-fwd_mods = torch.library.custom_op("cute_attn::fwd_mods", _fwd_mods_impl, mutates_args=(), device_types="cuda")
-bwd_mods = torch.library.custom_op("cute_attn::bwd_mods", _bwd_mods_impl, mutates_args=(), device_types="cuda")
+# The mods' ops build their block masks from the aux tensors' (and varlen offsets') values
+# when they run (varlen reads offsets on the host): a CUDA graph replay would keep the
+# masks of its capture, so inductor's CUDA graphs (mode="reduce-overhead") must leave them out
+_GRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+fwd_mods = torch.library.custom_op("cute_attn::fwd_mods", _fwd_mods_impl, mutates_args=(), device_types="cuda",
+                                   tags=_GRAPH_UNSAFE)
+bwd_mods = torch.library.custom_op("cute_attn::bwd_mods", _bwd_mods_impl, mutates_args=(), device_types="cuda",
+                                   tags=_GRAPH_UNSAFE)
 fwd_varlen_mods = torch.library.custom_op("cute_attn::fwd_varlen_mods", _fwd_varlen_mods_impl, mutates_args=(),
-                                          device_types="cuda")
+                                          device_types="cuda", tags=_GRAPH_UNSAFE)
 bwd_varlen_mods = torch.library.custom_op("cute_attn::bwd_varlen_mods", _bwd_varlen_mods_impl, mutates_args=(),
-                                          device_types="cuda")
+                                          device_types="cuda", tags=_GRAPH_UNSAFE)
 fwd_fp8 = torch.library.custom_op("cute_attn::fwd_fp8", _fwd_fp8_impl, mutates_args=(), device_types="cuda")
 
 

@@ -330,7 +330,10 @@ def _check_softcap_scale(softcap, softmax_scale, head_dim):
     """With a softcap the kernel computes tanh(scores * softmax_scale / softcap): the
     quotient, in float32, must be normal and finite (each factor is checked on its own)."""
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
-    pre = _f32(_f32(scale) / _f32(softcap))
+    # rounded as the kernel rounds it; while dynamo traces, a float argument may be a
+    # SymFloat, which struct cannot pack: the quotient in float64 then (the same test but
+    # for values within a float32 rounding of the range's ends)
+    pre = scale / softcap if _is_compiling() else _f32(_f32(scale) / _f32(softcap))
     if not F32_MIN_NORMAL <= pre <= F32_MAX:
         default = " (the default, 1/sqrt(headdim))" if softmax_scale is None else ""
         raise ValueError(
@@ -339,6 +342,13 @@ def _check_softcap_scale(softcap, softmax_scale, head_dim):
             f"softmax_scale / softcap) in float32), got softcap={softcap!r} with "
             f"softmax_scale={scale!r}{default}: softmax_scale / softcap = {scale / softcap:.7g}"
         )
+
+
+def _finite(x) -> bool:
+    """math.isfinite by comparisons: an int is finite however large (math.isfinite would
+    overflow converting it), and under torch.compile a float argument may be a SymFloat,
+    which comparisons trace (specialising on the value) and math.isfinite does not."""
+    return x == x and -math.inf < x < math.inf
 
 
 def _check_scale(softmax_scale):
@@ -352,8 +362,7 @@ def _check_scale(softmax_scale):
         )
     # positive: the kernel takes each row's max over raw scores and scales it after,
     # which is the max of the scaled scores only when the scale is positive
-    # (an int is finite however large; math.isfinite would overflow converting it)
-    if (not isinstance(softmax_scale, numbers.Integral) and not math.isfinite(softmax_scale)) or softmax_scale <= 0:
+    if not _finite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(
             f"softmax_scale must be a finite positive number (or None for 1/sqrt(headdim)), "
             f"got {softmax_scale}"
@@ -596,7 +605,7 @@ def validate_softcap(softcap):
         raise TypeError(
             f"softcap must be a Python float/int (0 for off), got {type(softcap).__name__}"
         )
-    if (not isinstance(softcap, numbers.Integral) and not math.isfinite(softcap)) or softcap < 0:
+    if not _finite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be 0 (off) or a finite positive number, got {softcap}")
     if softcap and not FOLD_MIN <= softcap <= FOLD_MAX:
         raise ValueError(

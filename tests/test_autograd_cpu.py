@@ -60,6 +60,18 @@ def test_gradients_flow_to_q_k_v_with_the_call_settings(fake):
         torch.testing.assert_close(g, g_ref)
 
 
+def test_double_backward_is_refused(fake):
+    """The kernels' gradients are not differentiable: create_graph's second backward raises
+    (once_differentiable), never a silently dropped second-order term."""
+    q, k, v = _inputs()
+    out = cute_attn.mha(q, k, v, causal=True)
+    # dout = 2 out requires grad under create_graph: dq must carry the refusal, or the
+    # sum below would silently lose dq's second-order term and keep q.sum()'s
+    (dq,) = torch.autograd.grad((out ** 2).sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (dq.sum() + q.sum()).backward()
+
+
 def test_default_scale_is_inverse_sqrt_headdim(fake):
     q, k, v = _inputs()
     cute_attn.mha(q, k, v).sum().backward()

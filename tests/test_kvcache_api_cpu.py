@@ -419,3 +419,15 @@ def test_flash_attn_with_kvcache_makes_lengths_and_pages_contiguous(launcher):
     cute_attn.flash_attn_with_kvcache(q, pages, pages.clone(), block_table=table,
                                       cache_seqlens=torch.zeros(3, dtype=torch.int32))
     assert launcher.calls[-1]["args"].page_table.is_contiguous()
+
+
+def test_check_inputs_on_fake_tensors_is_a_clear_error(launcher):
+    """check_inputs=True reads the lengths on the host: on fake tensors (torch.compile's
+    tracing) that is a ValueError saying so, not a data-dependent-output exception."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tensors = (*_inputs(), torch.zeros(3, dtype=torch.int32))
+    with FakeTensorMode() as mode:
+        q, k_cache, v_cache, k, v, lengths = (mode.from_tensor(t) for t in tensors)
+        with pytest.raises(ValueError, match="check_inputs=True reads cache_seqlens .* fake tensors"):
+            cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, check_inputs=True)

@@ -436,6 +436,24 @@ def test_compile_fullgraph_dynamic_no_recompile(stand_in):
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("name", ["softmax_scale", "softcap"])
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto", "dynamic"])
+def test_compile_fullgraph_with_a_float_argument(stand_in, name, dynamic):
+    """A softmax_scale or softcap passed into the compiled function (a SymFloat under
+    automatic or forced dynamic shapes) traces without a graph break: the checks compare
+    instead of calling math.isfinite / struct. Each new value specialises the graph (the
+    kernels take it as a float); results equal eager mha's."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 9, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v, x: api.mha(q, k, v, **{name: x}), backend="aot_eager",
+                             fullgraph=True, dynamic=dynamic)
+    try:
+        for x in (0.1, 0.2, 0.3) if name == "softmax_scale" else (10.0, 20.0, 30.0):
+            torch.testing.assert_close(compiled(q, k, v, x), api.mha(q, k, v, **{name: x}))
+    finally:
+        torch._dynamo.reset()
+
+
 def test_compile_varlen_fullgraph(stand_in):
     """mha_varlen under torch.compile(fullgraph=True, dynamic=True): the offsets' values
     are not read while tracing (check_cu_seqlens=None skips them there), and new totals

@@ -267,6 +267,16 @@ def test_compile_fullgraph_mods_and_sink_no_recompile(stand_in):
         torch._dynamo.reset()
 
 
+def test_aux_tensors_that_require_grad_are_refused(stand_in):
+    """The kernels differentiate the score, not a mod's tensors: ALiBi slopes that require
+    grad are an error (never a silent None gradient); detached, the call runs."""
+    q, k, v = (torch.randn(1, 40, 2, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    slopes = torch.rand(2).requires_grad_()
+    with pytest.raises(NotImplementedError, match="aux tensors get no gradient"):
+        api.mha(q, k, v, score_mod=masks.alibi(slopes))
+    assert stand_in.fwd_calls == []  # refused before any kernel
+
+
 def test_compile_with_a_user_block_mask(stand_in):
     """A block mask built outside the compiled function reaches the kernel as its lists
     (the stand-in checks it); a block mask of another shape is refused while tracing."""
