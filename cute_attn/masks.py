@@ -40,6 +40,7 @@ and fails the backward's compile with a message naming the mod.
 """
 
 import copy
+import functools
 import hashlib
 import inspect
 import math
@@ -170,10 +171,33 @@ def _code_identity(code):
 
 
 def _function_identity(fn):
-    """The function's code and its captured values: two closures of one body with other
-    constants (block sizes, windows) are different kernels."""
-    cells = tuple(_identity(c.cell_contents, fn.__qualname__) for c in fn.__closure__ or ())
-    return (fn.__module__, fn.__qualname__, _code_identity(fn.__code__), cells)
+    """The function's code, its captured values and its defaults: two closures of one body
+    with other constants (block sizes, windows; `lambda ..., w=w` in a loop) are different
+    kernels."""
+    where = fn.__qualname__
+    cells = tuple(_identity(c.cell_contents, where) for c in fn.__closure__ or ())
+    defaults = _identity(fn.__defaults__ or (), where)
+    kwdefaults = tuple(sorted((k, _identity(v, where)) for k, v in (fn.__kwdefaults__ or {}).items()))
+    return (fn.__module__, fn.__qualname__, _code_identity(fn.__code__), cells, defaults, kwdefaults)
+
+
+def _callable_identity(fn):
+    """A mod's body as a key: a function (_function_identity), a functools.partial of one
+    (its function, arguments and keywords), or an object whose class defines __call__ (the
+    method and the object's attributes). Anything else cannot be keyed: a TypeError, never
+    two different mods sharing a kernel."""
+    if isinstance(fn, types.FunctionType):
+        return _function_identity(fn)
+    where = type(fn).__qualname__
+    if isinstance(fn, functools.partial):
+        keywords = tuple(sorted((k, _identity(v, where)) for k, v in fn.keywords.items()))
+        return ("partial", _callable_identity(fn.func), _identity(fn.args, where), keywords)
+    call = getattr(type(fn), "__call__", None)
+    if isinstance(call, types.FunctionType) and hasattr(fn, "__dict__"):
+        state = tuple(sorted((k, _identity(v, where)) for k, v in vars(fn).items()))
+        return ("object", type(fn).__module__, where, _function_identity(call), state)
+    raise TypeError(f"a mod must be a Python function, a functools.partial of one or an object with a "
+                    f"__call__ method, got {type(fn).__name__}")
 
 
 class ModSpec:
@@ -251,7 +275,7 @@ class Modifier:
         self.name = name or getattr(fn, "__name__", kind + "_mod")
         # computed now, not on first use: torch.compile may trace that first use, and the
         # key's bytecode walk and hash are not traceable (a captured tensor raises here)
-        body = _function_identity(fn) if isinstance(fn, types.FunctionType) else (type(fn).__qualname__,)
+        body = _callable_identity(fn)
         aux_signature = tuple((t.dtype, t.dim()) for t in self.aux)
         key = (self.kind, self.name, body, aux_signature)
         token_aux = any("tokens" in extents for extents in self.aux_extents if extents)

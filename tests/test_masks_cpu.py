@@ -8,6 +8,7 @@ brute-force classification, including a simulated block-sparse forward that visi
 the listed tiles and calls the mask only on partial ones.
 """
 
+import functools
 import math
 
 import pytest
@@ -509,3 +510,45 @@ def test_block_sparse_forward_matches_dense(case, tile):
     out_ref, lse_ref = attention_ref_mod(q, k, v, mask_mod=mod)
     torch.testing.assert_close(out, out_ref)
     torch.testing.assert_close(lse, lse_ref)
+
+
+def _window(b, h, q_idx, kv_idx, w):
+    return (q_idx - kv_idx) <= w
+
+
+class _Window:
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) <= self.w
+
+
+@pytest.mark.parametrize("make", [
+    lambda w: functools.partial(_window, w=w),
+    lambda w: (lambda b, h, q_idx, kv_idx, *, w=w: (q_idx - kv_idx) <= w),
+    lambda w: (lambda b, h, q_idx, kv_idx, w=w: (q_idx - kv_idx) <= w),
+    _Window,
+], ids=["partial", "kwdefault", "default", "callable-object"])
+def test_mods_that_differ_only_in_bound_values_are_different_kernels(make):
+    """A mod's key (the kernel cache's and the traced ops' digest) covers what a
+    functools.partial binds, a function's defaults and a callable object's attributes:
+    two such mods with other windows never share a kernel; equal ones do."""
+    one, other, again = (masks.Modifier.of("mask", make(w)) for w in (1, 100, 1))
+    assert one.spec.digest != other.spec.digest
+    assert one.spec.digest == again.spec.digest
+
+
+class _Slotted:
+    __slots__ = ("w",)  # no __dict__: its state cannot be read into a key
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) <= self.w
+
+
+def test_a_mod_that_cannot_be_keyed_is_refused():
+    with pytest.raises(TypeError, match="a mod must be a Python function"):
+        masks.Modifier.of("mask", _Slotted(1))
