@@ -688,7 +688,10 @@ class _AttentionFunction(torch.autograd.Function):
             out, lse = _outputs_without_kernel(q, settings.features)
         else:
             out, lse = _launcher().run_fwd(q, k, v, settings.features, settings.run_args)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
+        # the other tensors the backward reads (offsets, the dropout key, the mods' aux
+        # tensors) are saved too, unused: autograd then refuses an in-place edit of them
+        # between the forward and the backward (a different mask), as the ops path does
+        ctx.save_for_backward(q, k, v, out, lse, sink, *_tensors_read_again(settings))
         ctx.settings = settings
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -696,7 +699,7 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the kernels' gradients are not differentiable: refuse create_graph's double backward
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, sink = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors[:6]
         s = ctx.settings
         want_sink = sink is not None and ctx.needs_input_grad[4]
         if s.no_kernel:
@@ -711,6 +714,17 @@ class _AttentionFunction(torch.autograd.Function):
             deterministic=s.deterministic, **extra,
         )
         return (*grads[:3], None, grads[3] if want_sink else None)
+
+
+def _tensors_read_again(settings) -> tuple:
+    """What the backward reads besides q, k, v, out, lse and the sink: the varlen offsets,
+    the dropout key and the mods' aux tensors."""
+    args = settings.run_args
+    tensors = [t for t in (args.cu_seqlens_q, args.cu_seqlens_k, args.dropout_seed) if t is not None]
+    for mod in (settings.mods or ())[:2]:
+        if mod is not None:
+            tensors.extend(mod.aux)
+    return tuple(tensors)
 
 
 _launcher_module = None

@@ -267,6 +267,18 @@ def test_compile_fullgraph_mods_and_sink_no_recompile(stand_in):
         torch._dynamo.reset()
 
 
+def test_an_in_place_edit_of_the_dropout_key_before_the_backward_is_refused(stand_in):
+    """The eager backward saves the dropout key with its other inputs (unused there), so
+    autograd refuses a key edited between forward and backward (another mask), as the ops
+    path does."""
+    seed = torch.tensor([5, -9], dtype=torch.int32)
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 13, 2, 2, seed=3, dtype=torch.bfloat16))
+    out = api.mha(q, k, v, causal=True, dropout_p=0.25, dropout_seed=seed)
+    seed.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
+
+
 def test_aux_tensors_that_require_grad_are_refused(stand_in):
     """The kernels differentiate the score, not a mod's tensors: ALiBi slopes that require
     grad are an error (never a silent None gradient); detached, the call runs."""
