@@ -196,8 +196,7 @@ def _plainly_valid(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax
         ns = k.shape
         if len(ns) != 4 or v.shape != ns or ns[0] != b or ns[2] != hkv or ns[3] != d or ns[1] > capacity:
             return False
-        if sq > capacity or (k is not v and (k_cache is v_cache or (
-                not pointer_unknown(k_cache) and not separate_caches(k_cache, v_cache, k, v)))):
+        if sq > capacity or _appends_into_one_cache(k_cache, v_cache, k, v):
             return False
         if not plainly_tma_operands(policy, k, v, v):
             return False
@@ -339,13 +338,21 @@ def _check_new_tokens(q, k_cache, v_cache, k, v, capacity, paged):
             f"with k and v given, q seqlen_q must be <= the cache capacity ({capacity} keys per entry: "
             f"{_capacity_terms(k_cache, capacity, paged)}), got {q.shape[1]}"
         )
-    if k is not v and k_cache.numel() and (k_cache is v_cache or (
-            not (pointer_unknown(k_cache) or pointer_unknown(v_cache)) and not separate_caches(k_cache, v_cache, k, v))):
+    if _appends_into_one_cache(k_cache, v_cache, k, v):
         raise ValueError(
             "k_cache and v_cache are the same memory: the new v would overwrite the new k "
             "in it (the append writes both); pass separate caches (or k is v)"
         )
     return seqlen_new
+
+
+def _appends_into_one_cache(k_cache, v_cache, k, v) -> bool:
+    """The validation's test of separate_caches: the same tensor always, the same address
+    where pointers are real (not on fake tensors or while dynamo traces)."""
+    if k is v or not k_cache.numel():
+        return False
+    return k_cache is v_cache or (not (pointer_unknown(k_cache) or pointer_unknown(v_cache))
+                                  and not separate_caches(k_cache, v_cache, k, v))
 
 
 def separate_caches(k_cache, v_cache, k, v) -> bool:

@@ -45,7 +45,7 @@ class BwdPreprocess:
         assert self.tile_m % 16 == 0 and head_dim % 32 == 0
         # rows of O and dO move 16 bytes per thread and load (epilogue.row_copy); a pass of
         # the CTA covers whole rows, and the tile a whole number of passes
-        tpr = epilogue.threads_per_row(self.dtype, head_dim)
+        tpr = self.threads_per_row = epilogue.threads_per_row(self.dtype, head_dim)
         self.num_threads = math.gcd(self.tile_m, _THREADS // tpr) * tpr
         self.scheduler = TileScheduler(self.tile_m, self.varlen)
 
@@ -103,7 +103,7 @@ class BwdPreprocess:
                     lse[m] = mLSE_rows[m_block * self.tile_m + row]
             # the stores drain while the loads are in flight
             self._zero_dq_accum(mdQaccum, b, head, dq_accum.chunk_index(seqlen.padded_m_block_offset, m_block), tidx)
-            tpr = epilogue.threads_per_row(self.dtype, self.head_dim)
+            tpr = self.threads_per_row
             first_row = (seqlen.padded_m_block_offset + m_block) * self.tile_m
             for m in cutlass.range_constexpr(passes):
                 row = tOcO[0, m, 0][0]
