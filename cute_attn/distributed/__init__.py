@@ -28,6 +28,7 @@ ring otherwise, or when one rank cannot hold the whole sequence of its heads. Me
 parallel efficiency.
 """
 
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -50,6 +51,7 @@ from cute_attn.validation import (
     _check_offsets,
     _check_rank,
     _check_shapes,
+    _is_int,
     validate_flags,
     validate_fwd_inputs,
     validate_softcap,
@@ -77,6 +79,14 @@ def _world_size(group) -> int:
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cute_attn.distributed needs torch.distributed initialised (init_process_group)")
+    # new_group hands the ranks outside it a sentinel (an int) whose world size reads -1: a
+    # ring of -1 steps would return uninitialised memory as out
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("group: this rank is not a member of the process group it passed (new_group's "
+                         "non-member sentinel); call only on the group's ranks")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the world), got "
+                        f"{type(group).__name__}")
     return dist.get_world_size(group)
 
 
@@ -161,7 +171,18 @@ def ring_mha_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     causal, return_lse, _ = validate_flags(causal, return_lse, False)  # "no" is not False
     world_size = _world_size(group)
     local = KernelAttention() if local is None else local
-    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
+    else:
+        cu = list(cu_seqlens) if isinstance(cu_seqlens, Iterable) else None
+    # ints only: int() would truncate 8.5 to 8 (another split of the documents) without a word
+    if cu is None or not all(_is_int(x) for x in cu):
+        if isinstance(cu_seqlens, torch.Tensor):
+            got = f"a {cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}"
+        else:
+            got = type(cu_seqlens).__name__ if cu is None else f"{next(x for x in cu if not _is_int(x))!r} among them"
+        raise TypeError(f"cu_seqlens must be a 1-D list or integer tensor of document offsets, got {got}")
+    cu = [int(x) for x in cu]
     if not cu:
         raise ValueError("cu_seqlens must start at 0, got no offsets")
     # start at 0, non-decreasing; its end (the batch's total) is checked against the rows below

@@ -17,6 +17,7 @@ reverse exchange) and are summed there in fp32.
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 
 def window_keys(rank: int, world_size: int, local_len: int, window: tuple):
@@ -116,6 +117,7 @@ class HaloAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # as mha's: the exchanges build no graph; refuse a double backward
     def backward(ctx, dout, _dlse):
         q, kv, out, lse = ctx.saved_tensors
         halo, local, scale, softcap, window = ctx.settings

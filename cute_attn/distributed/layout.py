@@ -63,6 +63,9 @@ def check_layout(layout: str, local_len: int) -> None:
 
 def global_positions(seqlen: int, world_size: int, layout: str, rank: int) -> torch.Tensor:
     """The global token indices rank holds, in its local order (int64, on the CPU)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        # (zigzag would take rank W + r as chunks W + r and W - 1 - r: another rank's, silently)
+        raise ValueError(f"rank must be in [0, world_size) with world_size >= 1, got rank {rank} of {world_size}")
     if seqlen % world_size or (layout == "zigzag" and seqlen % (2 * world_size)):
         raise ValueError(f"a sequence of {seqlen} tokens does not split evenly over {world_size} ranks "
                          f"({'2 x ' if layout == 'zigzag' else ''}world size must divide it)")
@@ -84,12 +87,23 @@ def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag", d
 def unshard(shards: list, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
     """The whole sequence from every rank's shard (shards[r] of rank r, as from all_gather)."""
     world_size = len(shards)
+    _check_equal_shards(shards, dim, None)
     stacked = torch.cat(shards, dim=dim)
     seqlen = stacked.shape[dim]
     order = torch.cat([global_positions(seqlen, world_size, layout, r) for r in range(world_size)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(seqlen)
     return stacked.index_select(dim, inverse.to(stacked.device))
+
+
+def _check_equal_shards(shards: list, dim: int, rows: Optional[int]) -> None:
+    """Every shard the same length along dim (rows, when given): the positions assume it,
+    and unequal shards of a divisible total would be put back in the wrong places."""
+    lengths = [s.shape[dim] for s in shards]
+    if len(set(lengths)) > 1 or (rows is not None and lengths and lengths[0] != rows):
+        want = f" ({rows} each)" if rows is not None else ""
+        raise ValueError(f"every rank's shard must hold the same number of rows along dim {dim}{want}, "
+                         f"got {lengths}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -103,6 +117,7 @@ def unshard(shards: list, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
 
 
 def check_varlen_lengths(cu_seqlens: list, world_size: int, layout: str) -> None:
+    check_layout(layout, 0)  # the name (varlen_task takes any other for zigzag); lengths below
     parts = world_size * (2 if layout == "zigzag" else 1)
     lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
     bad = [i for i, n in enumerate(lengths) if n % parts]
@@ -123,12 +138,15 @@ def varlen_positions(cu_seqlens: list, world_size: int, layout: str, rank: int) 
 def shard_varlen(x: torch.Tensor, cu_seqlens: list, rank: int, world_size: int, layout: str = "zigzag",
                  dim: int = 0) -> torch.Tensor:
     """Rank's rows of a packed batch x (documents at cu_seqlens, along dim)."""
+    if x.shape[dim] != cu_seqlens[-1]:  # index_select would take a prefix silently
+        raise ValueError(f"x holds {x.shape[dim]} rows along dim {dim}; cu_seqlens ends at {cu_seqlens[-1]}")
     return x.index_select(dim, varlen_positions(cu_seqlens, world_size, layout, rank).to(x.device)).contiguous()
 
 
 def unshard_varlen(shards: list, cu_seqlens: list, layout: str = "zigzag", dim: int = 0) -> torch.Tensor:
     """The packed batch from every rank's shard (shards[r] of rank r)."""
     world_size = len(shards)
+    _check_equal_shards(shards, dim, cu_seqlens[-1] // max(world_size, 1))
     order = torch.cat([varlen_positions(cu_seqlens, world_size, layout, r) for r in range(world_size)])
     stacked = torch.cat(shards, dim=dim)
     inverse = torch.empty_like(order)

@@ -16,6 +16,7 @@ block from the merged out and lse (local.py: block_backward).
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from cute_attn.distributed.layout import block_task, varlen_task
 
@@ -174,6 +175,7 @@ class RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # as mha's: the exchanges build no graph; refuse a double backward
     def backward(ctx, dout, _dlse):
         q, kv, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, kv, out, lse, *ctx.settings)

@@ -11,6 +11,7 @@ attention (and the output's gradient likewise), so causal masks see true positio
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from cute_attn.bounded_cache import remember
 from cute_attn.distributed.layout import global_positions
@@ -78,6 +79,7 @@ class Reshard(torch.autograd.Function):
         return exchange(x, group, layout)
 
     @staticmethod
+    @once_differentiable  # as mha's: the exchanges build no graph; refuse a double backward
     def backward(ctx, grad):
         inverse, group, layout = ctx.settings
         return inverse(grad.contiguous(), group, layout), None, None, None, None
