@@ -277,3 +277,24 @@ def test_a_wrong_merge_is_caught(tmp_path):
     with pytest.raises(mp.ProcessRaisedException, match="max error"):
         spawn(2, [Case("ring", "zigzag", True, batch=1)], on_gpu=False, tmp_path=tmp_path,
               broken_merge=True)
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("contiguous", False)])
+def test_varlen_steps_offsets_come_from_one_copy_and_match_each_task(layout, causal):
+    """VarlenSteps builds every step's offsets in one host-to-device copy (no stream wait
+    per step): the views must still be each step's own offsets, steps without work
+    (causal: a later rank's keys) skipped, in order."""
+    from cute_attn.distributed.layout import varlen_task
+    from cute_attn.distributed.ring import VarlenSteps
+
+    world_size, rank = 4, 1
+    local_cu = [0, 8, 8, 24, 40]  # an empty document too; each length splits over 2 x 4 chunks
+    steps = VarlenSteps(None, layout, causal, 1.0, 0.0, rank, world_size, local_cu, torch.device("cpu"))
+    for src in range(world_size):
+        task = varlen_task(layout, causal, rank, src, local_cu)
+        if task is None:
+            assert src not in steps.cu
+            continue
+        cu_q, cu_k = steps.cu[src]
+        assert cu_q.dtype == torch.int32 and cu_q.tolist() == list(task.cu_seqlens_q)
+        assert cu_k.tolist() == list(task.cu_seqlens_k)

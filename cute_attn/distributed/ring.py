@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from cute_attn.distributed.layout import block_task, varlen_task
+from cute_attn.validation import _capturing_cuda_graph
 
 
 class Ring:
@@ -76,16 +77,25 @@ class DenseSteps:
 class VarlenSteps:
     """The ring steps of packed batches, seen as (1, total, heads, head_dim) shards whose
     documents are all split alike (layout.varlen_task): one varlen call per step over
-    every local row, its cu_seqlens built once per call (a host-to-device copy, W of
-    them, before the first step)."""
+    every local row, its cu_seqlens built once per call: every step's offsets in one
+    host-to-device copy from pinned memory, which does not wait for the stream (a copy
+    from pageable memory does: one stall per step and direction before)."""
 
     def __init__(self, local, layout: str, causal: bool, scale: float, softcap: float, rank: int, world_size: int,
                  local_cu_seqlens: list, device):
         self.local, self.scale, self.softcap = local, scale, softcap
         self.tasks = {src: varlen_task(layout, causal, rank, src, local_cu_seqlens) for src in range(world_size)}
-        self.cu = {src: tuple(torch.tensor(cu, dtype=torch.int32, device=device)
-                              for cu in (task.cu_seqlens_q, task.cu_seqlens_k))
-                   for src, task in self.tasks.items() if task is not None}
+        offsets = [cu for task in self.tasks.values() if task is not None
+                   for cu in (task.cu_seqlens_q, task.cu_seqlens_k)]
+        host = torch.tensor([x for cu in offsets for x in cu], dtype=torch.int32)
+        if torch.device(device).type == "cuda":
+            if _capturing_cuda_graph():
+                # a captured copy would replay from a pinned buffer reused since
+                raise RuntimeError("ring_mha_varlen builds its steps' offsets on the host per call: it cannot be "
+                                   "captured in a CUDA graph")
+            host = host.pin_memory()
+        views = iter(host.to(device, non_blocking=True).split([len(cu) for cu in offsets]))
+        self.cu = {src: (next(views), next(views)) for src, task in self.tasks.items() if task is not None}
 
     def forward(self, q, k, v, src):
         task = self.tasks[src]
