@@ -20,7 +20,10 @@ tvm_ffi.load_module, which neither imports cutlass nor needs a GPU. Without a C 
 the objects are kept and loaded with cute.runtime.load_module (imports cutlass: ~0.5 s).
 
 Environment: CUTE_ATTN_CACHE_DIR (default ~/.cache/cute_attn); CUTE_ATTN_CACHE=0 disables
-the cache (every key compiles, nothing is read or written).
+the cache (every key compiles, nothing is read or written). The DSL's CUTE_DSL_* compile
+settings are part of the key (versions()). There is no size bound or eviction: entries of
+old sources or versions stay until clear() (which, run while other processes use the
+cache, may let two of them build one key at once: each still loads only a verified entry).
 """
 
 import contextlib
@@ -35,7 +38,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -49,8 +51,22 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 
 _PACKAGE = Path(__file__).resolve().parent
-# the sources a compiled kernel depends on (relative to the package), as globs
-_SOURCE_GLOBS = ("kernels/*.py", "blocks/*.py", "config.py", "launcher.py", "compile_cache.py")
+# the sources a compiled kernel depends on (relative to the package), as globs: every
+# cute_attn module that kernels/ and blocks/ import (masks.py: the mods' SeqInfo/Dual and
+# the built-in mods' helpers, named but not hashed by a mod's digest; dropout.py: Philox)
+_SOURCE_GLOBS = ("kernels/*.py", "blocks/*.py", "config.py", "launcher.py", "compile_cache.py", "masks.py",
+                 "dropout.py")
+# CUTE_DSL_* settings that do not change what the DSL compiles (its env_manager's
+# affects_compile=False: logs, dumps, its own JIT cache; ARCH: the launcher names the arch
+# with --gpu-arch). Every other CUTE_DSL_* variable (DEBUG, LINEINFO, ENABLE_ASSERTIONS,
+# COMPILER_OPT, LIBS, ... and any unknown one) is part of the key: a needless rebuild at
+# worst, never a kernel built under other settings.
+_DSL_ENV_NOT_COMPILED = frozenset({
+    "LOG_LEVEL", "LOG_TO_CONSOLE", "LOG_TO_FILE", "LOG_AUTOTUNE", "PRINT_AFTER_PREPROCESSOR", "PRINT_IR",
+    "SHOW_STACKTRACE", "FILTER_STACKTRACE", "NO_CACHE", "JIT_CACHE_MAX_ELEMS", "DUMP_DIR", "CACHE_DIR", "KEEP",
+    "KEEP_IR", "KEEP_PTX", "KEEP_CUBIN", "KEEP_SASS", "WARNINGS_IGNORE", "ENABLE_OPTIMIZATION_WARNINGS",
+    "DISABLE_FILE_CACHING", "ARCH",
+})
 
 
 # ----------------------------------------------------------------------------------------
@@ -121,8 +137,9 @@ def versions() -> dict:
         "machine": platform.machine(),
         # an exported library is rpath'ed to this environment's runtime libraries
         "prefix": sys.prefix,
-        # an explicit runtime library choice overrides the DSL's own (env_manager)
-        "cute_dsl_libs": os.environ.get("CUTE_DSL_LIBS") or None,
+        # the DSL's compile settings (CUTE_DSL_LIBS: an explicit runtime library choice)
+        "cute_dsl_env": {name: value for name, value in sorted(os.environ.items())
+                         if name.startswith("CUTE_DSL_") and name[9:] not in _DSL_ENV_NOT_COMPILED},
     }
 
 
@@ -211,7 +228,13 @@ def verify_entry(folder: Path, key: Any) -> Optional[dict]:
 
 @contextlib.contextmanager
 def _flock(path: Path, mode: int):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        # a lock file this process may only read (a cache another user warmed up, a
+        # read-only mount): flock needs no write access, except over NFS, where a
+        # LOCK_EX then fails and the caller compiles in memory
+        fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, mode)
         yield
@@ -305,7 +328,10 @@ def _rebuild(key, name: str, root: Path, compile_fn, export_fn, load_fn, direct_
     compiled = _compile(key, compile_fn)
     tmp = None
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+        # not mkdtemp: its mode 0700 would make the entry unreadable to the other users of
+        # a shared cache (warmed up by root in an image, read by the job's user)
+        tmp = root / f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}"
+        tmp.mkdir()
         meta = export_fn(compiled, tmp)
         _write_manifest(tmp, key, meta)  # last: an entry without it is never used
         os.replace(tmp, folder)

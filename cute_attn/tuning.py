@@ -98,6 +98,8 @@ def load_table(device_name: str) -> dict:
         return {}
     try:
         entries = json.loads(path.read_text())["entries"]
+        if not isinstance(entries, dict):  # else .items() below raises on every call
+            raise TypeError(f"entries is a {type(entries).__name__}, not an object")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         _log.warning("tuned table %s unreadable (%s): using the default configs", path, exc)
         return {}
@@ -236,7 +238,14 @@ def write_table(device_name: str, entries: dict, path: Optional[Path] = None) ->
             pass
     table["entries"].update(entries)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    # a temp file renamed over the table: a process reading it meanwhile, or a write cut
+    # short (full disk, ^C), never sees half a table (which the next merge would drop)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     load_table.cache_clear()
     return path
 

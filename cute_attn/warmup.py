@@ -11,8 +11,9 @@ call looks up.
 
 Compiling is CPU work (no GPU needed) and single-threaded per kernel, so keys are built
 in parallel processes; two processes building one key compile it once (the cache's lock).
-The entries are valid only for the same package sources, DSL version, CUDA driver major
-and Python environment (compile_cache.versions): warm up on the machine that runs.
+The entries are valid only for the same package sources, DSL version, CUDA driver major,
+Python environment and CUTE_DSL_* compile settings (compile_cache.versions): warm up on the
+machine that runs, with its environment.
 """
 
 import dataclasses
