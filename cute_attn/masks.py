@@ -144,16 +144,16 @@ def tanh(x):
     return cute.math.tanh(x, fastmath=True)
 
 
-def _identity(value, where: str):
+def _identity(value, where: str, seen: Optional[set] = None):
     """A hashable, process-independent stand-in for a value a mod's closure captures."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (tuple, list)):
-        return tuple(_identity(v, where) for v in value)
+        return tuple(_identity(v, where, seen) for v in value)
     if isinstance(value, Modifier):
         return value.key
     if isinstance(value, types.FunctionType):
-        return _function_identity(value)
+        return _function_identity(value, seen)
     if isinstance(value, torch.Tensor):
         raise TypeError(
             f"{where} captures a torch tensor; a kernel cannot read it from Python: pass it "
@@ -170,15 +170,57 @@ def _code_identity(code):
     return (code.co_code, consts, code.co_names)
 
 
-def _function_identity(fn):
-    """The function's code, its captured values and its defaults: two closures of one body
-    with other constants (block sizes, windows; `lambda ..., w=w` in a loop) are different
-    kernels."""
+def _function_identity(fn, seen: Optional[set] = None):
+    """The function's code, its captured values, its defaults and the module globals it
+    reads (_globals_identity): two closures of one body with other constants (block sizes,
+    windows; `lambda ..., w=w` in a loop) are different kernels, and so are two versions of
+    a helper it calls or of a constant it reads."""
     where = fn.__qualname__
-    cells = tuple(_identity(c.cell_contents, where) for c in fn.__closure__ or ())
-    defaults = _identity(fn.__defaults__ or (), where)
-    kwdefaults = tuple(sorted((k, _identity(v, where)) for k, v in (fn.__kwdefaults__ or {}).items()))
-    return (fn.__module__, fn.__qualname__, _code_identity(fn.__code__), cells, defaults, kwdefaults)
+    seen = set() if seen is None else seen
+    if id(fn) in seen:  # (mutually) recursive helpers: named once
+        return ("seen", fn.__module__, fn.__qualname__)
+    seen.add(id(fn))
+    cells = tuple(_identity(c.cell_contents, where, seen) for c in fn.__closure__ or ())
+    defaults = _identity(fn.__defaults__ or (), where, seen)
+    kwdefaults = tuple(sorted((k, _identity(v, where, seen)) for k, v in (fn.__kwdefaults__ or {}).items()))
+    return (fn.__module__, fn.__qualname__, _code_identity(fn.__code__), cells, defaults, kwdefaults,
+            _globals_identity(fn, seen))
+
+
+def _global_names(code) -> set:
+    """The names a code object (and the code nested in it) looks up: globals among them."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+# functions of these packages are keyed by name: their code is keyed already (cute_attn's
+# sources and the DSL's version, compile_cache.versions) or never reaches a kernel
+_KEYED_BY_NAME = ("cute_attn", "cutlass", "torch", "numpy", "math", "builtins", "functools", "operator")
+
+
+def _globals_identity(fn, seen: set) -> tuple:
+    """The module globals fn reads that decide what its kernel computes: the code of the
+    helper functions it calls (a mod's bytecode names a helper but does not hold it: an
+    edited helper would load the old kernel from the disk cache, and in one process reuse
+    the old one) and the Python scalars it reads (a module-level block size). Modules,
+    classes and other objects are not keyed (their attribute names are in co_names)."""
+    keyed = []
+    for name in sorted(_global_names(fn.__code__)):
+        if name not in fn.__globals__:
+            continue
+        value = fn.__globals__[name]
+        if isinstance(value, types.FunctionType):
+            if (value.__module__ or "").split(".")[0] in _KEYED_BY_NAME:
+                keyed.append((name, value.__module__, value.__qualname__))
+            else:
+                keyed.append((name, _function_identity(value, seen)))
+        elif value is None or isinstance(value, (bool, int, float, str)) or (
+                isinstance(value, tuple) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value)):
+            keyed.append((name, value))
+    return tuple(keyed)
 
 
 def _callable_identity(fn):

@@ -552,3 +552,54 @@ class _Slotted:
 def test_a_mod_that_cannot_be_keyed_is_refused():
     with pytest.raises(TypeError, match="a mod must be a Python function"):
         masks.Modifier.of("mask", _Slotted(1))
+
+
+def _user_module(source: str) -> dict:
+    """A stand-in for a user's module: source executed in a namespace of its own, whose
+    functions read it as their globals."""
+    namespace = {"__name__": "user_mods"}
+    exec(source, namespace)
+    return namespace
+
+
+_HELPER_MOD = """
+BLOCK = {block}
+
+def same_block(q_idx, kv_idx):
+    return q_idx // BLOCK {op} kv_idx // BLOCK
+
+def mask(b, h, q_idx, kv_idx):
+    return same_block(q_idx, kv_idx)
+"""
+
+
+def test_a_mods_key_covers_the_helpers_and_constants_it_reads():
+    """A mod's bytecode names a helper it calls and a module constant it reads but does
+    not hold them: edit either and the key must change (else the disk cache, or this
+    process's, hands back the kernel of the old helper); unchanged, the key is stable."""
+    def digest(block, op):
+        return masks.Modifier.of("mask", _user_module(_HELPER_MOD.format(block=block, op=op))["mask"]).spec.digest
+
+    base = digest(16, "==")
+    assert digest(16, "==") == base
+    assert digest(16, ">=") != base  # the helper's body
+    assert digest(32, "==") != base  # the constant it reads
+
+
+def test_recursive_helpers_and_library_functions_are_keyed_without_recursing_forever():
+    namespace = _user_module("""
+import math
+from cute_attn.masks import tanh
+
+def even(n):
+    return True if n == 0 else odd(n - 1)
+
+def odd(n):
+    return False if n == 0 else even(n - 1)
+
+def mask(b, h, q_idx, kv_idx):
+    return even(2) and tanh(0.0) == 0.0 and math.pi > 3 and q_idx >= kv_idx
+""")
+    key = masks.Modifier.of("mask", namespace["mask"]).spec.key
+    assert "('tanh', 'cute_attn.masks', 'tanh')" in repr(key)  # a library function: by name
+    assert masks.Modifier.of("mask", namespace["mask"]).spec.key == key
