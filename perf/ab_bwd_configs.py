@@ -175,7 +175,8 @@ def main():
                 print(f"hd{d} {'causal' if causal else 'full'} s{s} b{b} h{nheads}: "
                       + ", ".join(f"{n} {t:.0f}" for n, t in tf.items())
                       + f" | cute_attn/fa4 {ratio('cute_attn', 'fa4')}, /cudnn {ratio('cute_attn', 'sdpa_cudnn')}, "
-                      + ", ".join(f"/{n} {ratio('cute_attn', n)}" for n in names if n in tf)
+                      + ", ".join(f"/{n} {ratio('cute_attn', n)} (%.2f-%.2f)"
+                                  % harness.round_ratio_range(ms["cute_attn"], ms[n]) for n in names if n in tf)
                       + " | grad rel diff vs default " + ", ".join(f"{n} {e:.1e}" for n, e in diffs.items()), flush=True)
 
 

@@ -108,7 +108,8 @@ def main(argv=None) -> int:
                 flops = harness.attention_flops(b, h, s, s, d, causal, args.pas)
                 tf = {n: harness.tflops(flops, statistics.median(t)) for n, t in ms.items()}
                 line = (f"hd{d} causal={causal!s:5} s{s:5d} {args.pas}: new {tf['new']:.0f} old {tf['old']:.0f} TF/s"
-                        f" | new/old {tf['new'] / tf['old']:.3f}")
+                        f" | new/old {tf['new'] / tf['old']:.3f} (rounds %.3f-%.3f)"
+                        % harness.round_ratio_range(ms["new"], ms["old"]))
                 if "fa4" in tf:
                     line += f" fa4 {tf['fa4']:.0f} new/fa4 {tf['new'] / tf['fa4']:.3f} old/fa4 {tf['old'] / tf['fa4']:.3f}"
                 print(line, flush=True)

@@ -297,6 +297,17 @@ def run_rounds(timers: dict[str, Callable[[], float]], rounds: int,
     return complete, errors
 
 
+def round_ratio_range(ms_a: Sequence[float], ms_b: Sequence[float]) -> tuple[float, float]:
+    """(lowest, highest) over rounds of a's speed over b's, ms_b[r] / ms_a[r] (run_rounds
+    times round r of every implementation back to back). A ratio of medians hides this
+    spread: session 31 read +5-9% for three variants in a 5-round A/B that a 9-round rerun
+    put at 1.00 (perf/NOTES.md). A range that straddles 1 is noise."""
+    if len(ms_a) != len(ms_b) or not ms_a:
+        raise ValueError(f"round_ratio_range needs rounds of equal count, got {len(ms_a)} and {len(ms_b)}")
+    ratios = [b / a for a, b in zip(ms_a, ms_b)]
+    return min(ratios), max(ratios)
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     """numerator / denominator, or None when either side is missing or not positive."""
     if numerator is None or denominator is None or not denominator > 0:

@@ -232,3 +232,10 @@ def test_results_name_the_tree_by_its_kernel_sources(harness):
 
     version = harness.tree_version()
     assert version.endswith(f"sources {source_fingerprint()[:16]}")
+
+
+def test_round_ratio_range_pairs_rounds_and_refuses_unequal_counts(harness):
+    # a's speed over b's per round: b took 2.0 / 1.0 = 2x, then 3.0 / 2.0 = 1.5x as long
+    assert harness.round_ratio_range([1.0, 2.0], [2.0, 3.0]) == (1.5, 2.0)
+    with pytest.raises(ValueError, match="equal count"):
+        harness.round_ratio_range([1.0], [1.0, 2.0])
