@@ -28,6 +28,7 @@ none is given.
 """
 
 import math
+import numbers
 import weakref
 from collections import OrderedDict
 from typing import NamedTuple, Optional
@@ -181,6 +182,14 @@ def _from_classes(classes, mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n
                      tile_m, tile_n, mod.key, transposed, dq_turn, cu_seqlens)
 
 
+def _check_ints(**values):
+    """Python ints (FlexAttention's B=None / H=None is not taken: pass the call's batch
+    and heads; a mod that ignores b or h keeps one row of lists anyway)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+
+
 @torch.no_grad()
 def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int,
                      device=None, transposed: bool = False) -> BlockMask:
@@ -188,8 +197,12 @@ def build_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: 
     shape, on device (the aux tensors' device by default), and return its tile lists
     (transposed: the backward's, per KV tile)."""
     mod = Modifier.of("mask", mask_mod)
+    _check_ints(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, tile_m=tile_m, tile_n=tile_n)
     if min(batch, heads, seqlen_q, seqlen_k) < 0 or min(tile_m, tile_n) < 1:
         raise ValueError(f"bad block-mask shape {(batch, heads, seqlen_q, seqlen_k)} / tile {(tile_m, tile_n)}")
+    # the builder indexes the aux tensors with raw indices (the kernels clamp, torch does
+    # not): one too small must be a ValueError here, not a device-side assert on the GPU
+    mod.check_extents(batch, heads, seqlen_q, seqlen_k)
     if device is None:
         device = mod.aux[0].device if mod.aux else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     seq = SeqInfo(tuple(t.to(device) for t in mod.aux), seqlen_q, seqlen_k, 0, 0)
@@ -212,9 +225,15 @@ def build_varlen_block_mask(mask_mod, cu_seqlens_q, cu_seqlens_k, heads: int, ti
     mod = Modifier.of("mask", mask_mod)
     offsets_q, offsets_k = (tuple(int(x) for x in (c.tolist() if isinstance(c, torch.Tensor) else c))
                             for c in (cu_seqlens_q, cu_seqlens_k))
+    _check_ints(heads=heads, tile_m=tile_m, tile_n=tile_n)
     if len(offsets_q) != len(offsets_k) or len(offsets_q) < 1 or heads < 0 or min(tile_m, tile_n) < 1:
         raise ValueError(f"bad varlen block-mask arguments: {len(offsets_q)} and {len(offsets_k)} offsets, "
                          f"heads {heads}, tile {(tile_m, tile_n)}")
+    for name, offsets in (("cu_seqlens_q", offsets_q), ("cu_seqlens_k", offsets_k)):
+        if any(b < a for a, b in zip(offsets, offsets[1:])):  # a negative length: no sequence
+            raise ValueError(f"{name} must be non-decreasing, got {list(offsets)}")
+    # as build_block_mask: the mod indexes its aux tensors by sequence and packed token
+    mod.check_extents(len(offsets_q) - 1, heads, offsets_q[-1], offsets_k[-1])
     if device is None:  # where the kernel runs: the offsets' GPU, an aux tensor's, else CUDA
         on_gpu = [t.device for t in (cu_seqlens_q, *mod.aux) if isinstance(t, torch.Tensor) and t.is_cuda]
         device = on_gpu[0] if on_gpu else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -277,20 +296,36 @@ def cached_block_mask(mod: Modifier, batch, heads, seqlen_q, seqlen_k, tile_m, t
     same version) builds anew."""
     key = (mod.key, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, str(device), transposed)
     return _remembered(_cache, key, tuple(mod.aux), lambda: build_block_mask(
-        mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device, transposed))
+        mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, device, transposed), device)
 
 
-def _remembered(cache: OrderedDict, key: tuple, tensors: tuple, build):
+# id(BlockMask) -> the BlockMask, for every cached mask a CUDA graph captured: the graph
+# replays with its lists' addresses, so they must outlive their cache entry (LRU, a new
+# version of an aux tensor); one per mask a capture used, never freed
+_held_by_graphs: dict = {}
+
+
+def _capturing(device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _remembered(cache: OrderedDict, key: tuple, tensors: tuple, build, device):
     """build(), kept in cache (LRU of _CACHE_SIZE) under key while `tensors` are the same
     live, unmodified objects (_SameTensors); an entry leaves when one of them is freed.
-    Inference tensors have no version to key by: built every time."""
+    Inference tensors have no version to key by: built every time. Under CUDA graph
+    capture a hit is kept alive for the graph (_held_by_graphs) and a miss is built into
+    the graph, not remembered: its lists are written only when the graph replays."""
     if not _SameTensors.rememberable(tensors):
         return build()
     key = key + (tuple(id(t) for t in tensors),)
     found = cache.get(key)
     if found is not None and found[0].hold(tensors):
         cache.move_to_end(key)
+        if _capturing(device):
+            _held_by_graphs[id(found[1])] = found[1]
         return found[1]
+    if _capturing(device):
+        return build()
     value = build()
     cache[key] = (_SameTensors(tensors, on_death=lambda: cache.pop(key, None)), value)
     if len(cache) > _CACHE_SIZE:
@@ -333,7 +368,7 @@ def cached_varlen_block_mask(mod: Modifier, cu_seqlens_q: torch.Tensor, cu_seqle
     reads the offsets to the host and builds once per batch."""
     key = (mod.key, heads, tile_m, tile_n, str(cu_seqlens_q.device), transposed)
     return _remembered(_varlen_cache, key, (cu_seqlens_q, cu_seqlens_k, *mod.aux), lambda: build_varlen_block_mask(
-        mod, cu_seqlens_q, cu_seqlens_k, heads, tile_m, tile_n, transposed=transposed))
+        mod, cu_seqlens_q, cu_seqlens_k, heads, tile_m, tile_n, transposed=transposed), cu_seqlens_q.device)
 
 
 # id(user's varlen BlockMask) -> (_SameTensors of (its partial_count, the call's offsets),
