@@ -18,7 +18,10 @@ that skips masked tiles is not credited for work it avoids; `causal_tflops` is c
 own causal kernel at the same shape (its FLOPs: the causal pairs), the yardstick of the
 issue's "within 0.85x of cute_attn's causal" target. The backward (keys prefixed bwd_) is
 timed alone: one forward keeps its graph, then autograd.grad of a fixed dout; its FLOPs
-are 2.5x the forward's (five GEMMs to two). Timing: perf/harness.py's interleaved rounds
+are 2.5x the forward's (five GEMMs to two). Before timing, each forward but
+cute_attn_causal is compared with cute_attn's (harness.check_agreement; the largest
+difference is recorded as max_diff_vs_cute_attn): one that computes another problem is
+recorded in errors and not timed. Timing: perf/harness.py's interleaved rounds
 (pass_call, time_passes), median of rounds.
 
     python3 perf/bench_masks.py [--rounds 3] [--cases bd,documents,prefix_lm,alibi]
@@ -181,7 +184,12 @@ def run_case(c, rounds, impls, directions=("fwd", "bwd")):
         forwards["cute_attn_varlen"] = varlen(causal=True)
         forwards["cute_attn_varlen_mod"] = varlen(mask_mod=causal_mod)
     forwards = {n: f for n, f in forwards.items() if n in impls or n == "cute_attn_causal"}
-    rec["errors"] = {}
+    # the anchors and the varlen forms compute the same masked attention as cute_attn (not
+    # cute_attn_causal: another problem, the yardstick); one that does not is not timed
+    bad, rec["max_diff_vs_cute_attn"] = harness.check_agreement(
+        forwards, (q, k, v), {name: "cute_attn" for name in forwards if name not in ("cute_attn", "cute_attn_causal")})
+    rec["errors"] = dict(bad)
+    forwards = {n: f for n, f in forwards.items() if n not in bad}
     for direction in directions:
         prefix = "" if direction == "fwd" else "bwd_"
         makers = {name: (lambda fwd=fwd: harness.pass_call(direction, fwd, (q, k, v))) for name, fwd in forwards.items()}

@@ -11,9 +11,11 @@ the sink's gradient included where it has one):
 - fa4_sink: flash_attn.cute.flash_attn_func(..., learnable_sink=sink) where installed.
 
 TFLOP/s count the visible pairs (causal: s(s+1)/2 per head; the window: its band).
-Timing: perf/harness.py's interleaved rounds (pass_call, time_passes), median of rounds.
-Record keys: <impl>_ms / _tflops, sink_cost (vs no sink), speedup_vs_fa4_sink;
-bwd_ prefixed for the backward.
+Timing: perf/harness.py's interleaved rounds (pass_call, time_passes), median of rounds;
+before it, fa4_sink's forward is compared with cute_attn_sink's (harness.check_agreement:
+one that computes another problem is recorded in errors, not timed). Record keys:
+<impl>_ms / _tflops, sink_cost (vs no sink), speedup_vs_fa4_sink, max_diff; bwd_
+prefixed for the backward.
 
     python3 perf/bench_sinks.py [--rounds 3] [--directions fwd,bwd] [--out DIR]
 """
@@ -78,13 +80,19 @@ def case_tensors(c):
     return q, k, v, torch.randn(h, device="cuda", dtype=torch.float32)
 
 
-def measure_case(c, forwards, tensors, roles, rounds, directions, cost_key, **extra):
+def measure_case(c, forwards, tensors, roles, rounds, directions, cost_key, *, agree=None, **extra):
     """Time forwards (name -> fn(*tensors)) on case c, forward and backward; roles =
     (the feature's call, the same call without it, the anchor): the record gets each
-    one's ms and TF/s (visible pairs), the feature's cost and the speedup on the anchor."""
+    one's ms and TF/s (visible pairs), the feature's cost and the speedup on the anchor.
+    agree {name: ref}: before timing, name's forward must match ref's
+    (harness.check_agreement) or it is recorded in errors and not timed."""
     mine, base, anchor = roles
     pairs = visible_pairs(c["seqlen"], c["window"]) * c["batch"] * c["nheads"]
     rec = dict(c, **extra, errors={})
+    if agree:
+        bad, rec["max_diff"] = harness.check_agreement(forwards, tensors, agree)
+        rec["errors"].update(bad)
+        forwards = {name: fwd for name, fwd in forwards.items() if name not in bad}
     for direction in directions:
         prefix = "" if direction == "fwd" else "bwd_"
         makers = {name: (lambda fwd=fwd: harness.pass_call(direction, fwd, tensors)) for name, fwd in forwards.items()}
@@ -111,7 +119,7 @@ def measure_case(c, forwards, tensors, roles, rounds, directions, cost_key, **ex
 
 def run_case(c, rounds, directions):
     return measure_case(c, impls(c["window"]), case_tensors(c), ("cute_attn_sink", "cute_attn", "fa4_sink"),
-                        rounds, directions, "sink_cost")
+                        rounds, directions, "sink_cost", agree={"fa4_sink": "cute_attn_sink"})
 
 
 def cli(kind: str, run_case, argv=None) -> int:

@@ -90,12 +90,18 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
                     causal: bool, pass_name: str = "fwd") -> float:
     """Forward FLOPs: 4*b*h*sq*sk*d (two GEMMs, 2 FLOPs per MAC), halved for causal.
 
+    Causal is bottom-right aligned, so "halved" holds for sq == sk only (every dense sweep
+    here); otherwise the area the mask leaves visible: sq*sk - sq^2/2 when sq <= sk (a
+    decode query sees every key), sk^2/2 when sq > sk (the first sq - sk rows see none).
+    Both are the papers' s^2/2 at sq == sk and within half a pair per row of the exact count.
+
     pass_name="bwd": BWD_FLOP_FACTOR (2.5) times that, the FA2/FA3 papers' convention.
     """
     check_pass(pass_name)
-    flops = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+    pairs = float(seqlen_q) * seqlen_k
     if causal:
-        flops /= 2
+        pairs = pairs - seqlen_q * seqlen_q / 2 if seqlen_q <= seqlen_k else seqlen_k * seqlen_k / 2
+    flops = 4.0 * batch * nheads * pairs * headdim
     return flops * BWD_FLOP_FACTOR if pass_name == "bwd" else flops
 
 
@@ -375,6 +381,48 @@ def check_error(out, ref, ref_lowp, floor: float | None = None) -> dict:
     tol = 2 * ref_err + floor
     ok = math.isfinite(err) and err <= tol
     return {"ok": ok, "err": err, "ref_err": ref_err, "floor": floor, "tol": tol, "why": ""}
+
+
+# check_agreement's rule, elementwise |a - b| <= atol + rtol * |b| (torch.allclose's): two
+# bf16 kernels on the same problem differ by an ulp or two of the output (~1e-2 at |out| ~ 1,
+# a few 1e-2 on the rare |out| ~ 4 of rows that see a handful of keys); a different mask,
+# alignment or sink moves the rows it touches by O(0.1-1)
+AGREE_ATOL = 0.02
+AGREE_RTOL = 0.02
+
+
+def check_agreement(forwards: dict[str, Callable], tensors: Sequence,
+                    pairs: dict[str, str]) -> tuple[dict[str, str], dict[str, float]]:
+    """Before timing: does each forwards[name](*tensors) compute what forwards[ref] does,
+    for name, ref in pairs (both present; no grad)? Returns ({name: reason} of those that
+    differ beyond AGREE_ATOL + AGREE_RTOL * |ref| somewhere or raise, to be left out of
+    the timing and recorded; {name: max |out - ref out|}). A reference that raises checks
+    nothing (its own timing records the error)."""
+    import torch
+
+    bad, diffs, refs = {}, {}, {}
+    for name, ref in pairs.items():
+        if name not in forwards or ref not in forwards:
+            continue
+        if ref not in refs:
+            try:
+                with torch.no_grad():
+                    refs[ref] = forwards[ref](*tensors).float()
+            except Exception:  # noqa: BLE001
+                refs[ref] = None
+        if refs[ref] is None:
+            continue
+        try:
+            with torch.no_grad():
+                out = forwards[name](*tensors).float()
+            gap = (out - refs[ref]).abs()
+            diffs[name] = gap.max().item()
+            if not bool((gap <= AGREE_ATOL + AGREE_RTOL * refs[ref].abs()).all()):
+                bad[name] = (f"differs from {ref} (max |diff| {diffs[name]:.3g}): computes "
+                             "another problem; not timed")
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+            bad[name] = reason(exc)
+    return bad, diffs
 
 
 def check_line(label: str, check: dict) -> str:
@@ -804,7 +852,12 @@ def load_sdpa(name: str, backend_name: str) -> Impl:
     def fn(q, k, v, causal):
         # SDPA takes (b, h, s, d): transposed views, no copies. Its is_causal is top-left
         # aligned; cute_attn and FA4 are bottom-right. The two agree when seqlen_q ==
-        # seqlen_k, which holds for every dense shape the scripts run.
+        # seqlen_k, which holds for every dense shape the scripts run; otherwise SDPA
+        # would time another problem, so it is an unsupported case.
+        if causal and q.shape[1] != k.shape[1]:
+            raise NotImplementedError(
+                f"SDPA's is_causal is top-left aligned, cute_attn's bottom-right: they differ "
+                f"at seqlen_q {q.shape[1]} != seqlen_k {k.shape[1]}")
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
         return out.transpose(1, 2)

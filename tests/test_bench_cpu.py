@@ -134,7 +134,9 @@ def test_make_record_schema(bench):
 @pytest.mark.parametrize("b,h,sq,sk,d", [(2, 16, 8192, 8192, 128), (3, 5, 77, 129, 64)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_bwd_flops_formula(harness, b, h, sq, sk, d, causal):
-    fwd = 4 * b * h * sq * sk * d / (2 if causal else 1)
+    # causal is bottom-right: 77 queries against 129 keys see 129 * 77 - 77^2 / 2 pairs
+    # (tests/test_perf_audit_cpu.py checks the rule against the exact pair count)
+    fwd = 4 * b * h * (sq * sk - sq * sq / 2 if causal else sq * sk) * d
     assert harness.attention_flops(b, h, sq, sk, d, causal) == fwd
     assert harness.attention_flops(b, h, sq, sk, d, causal, "fwd") == fwd
     assert harness.attention_flops(b, h, sq, sk, d, causal, "bwd") == 2.5 * fwd
