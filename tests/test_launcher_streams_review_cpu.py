@@ -1,0 +1,134 @@
+"""The launcher's state kept across calls (review of streams, devices and CUDA graphs),
+on the CPU: torch.cuda's capture status, current stream and memory snapshot are faked.
+
+A buffer that a cache keeps (the tile queue's counter, the split workspace, the LSE
+sink) must come from the caching allocator's default pool. torch.compile's CUDA graph
+trees warm a new graph up with the thread's allocations routed to their private pool,
+outside capture, and reset that pool to a checkpoint before their next recording,
+freeing every block allocated since: a counter kept from such a warm-up would be handed
+to their tensors (launcher._outside_private_pools)."""
+
+import torch
+
+from cute_attn import launcher
+
+DEFAULT, PRIVATE = (0, 0), (3, 1)
+CPU = torch.device("cpu")
+
+
+def _fake_cuda(monkeypatch, pool, capturing=None, stream=None):
+    """Every address in one segment of pool[0]'s; the capture status capturing[0]; the
+    current raw stream stream[0]. Returns the list of snapshot calls."""
+    snapshots = []
+
+    def snapshot():
+        snapshots.append(pool[0])
+        return [{"address": 0, "total_size": 1 << 64, "segment_pool_id": pool[0]}]
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    capturing = capturing or [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    stream = stream or [7]
+    # (a CPU build of torch has no _cuda_getCurrentRawStream)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: stream[0], raising=False)
+    return snapshots
+
+
+def test_outside_private_pools_reads_each_buffers_segment(monkeypatch):
+    a, b = torch.zeros(4), torch.zeros(4)
+    segments = [{"address": a.data_ptr(), "total_size": 16, "segment_pool_id": DEFAULT},
+                {"address": b.data_ptr(), "total_size": 16, "segment_pool_id": PRIVATE}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert launcher._outside_private_pools(a)
+    assert not launcher._outside_private_pools(b) and not launcher._outside_private_pools(a, b)
+    assert launcher._outside_private_pools(torch.zeros(4))  # in no segment: not the allocator's
+    assert launcher._outside_private_pools()
+
+    def unavailable():
+        raise RuntimeError("snapshot is not supported by this allocator")
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", unavailable)
+    assert launcher._outside_private_pools(b)  # no snapshot: kept, as before
+
+
+def test_a_tile_queue_counter_from_a_private_pool_is_not_kept(monkeypatch):
+    """The counter a persistent forward takes from its stream's cache: one allocated in a
+    private pool (a graph tree's warm-up on its stream) is the call's own; the next call
+    outside the pool allocates and keeps one, and later hits take no snapshot."""
+    pool = [PRIVATE]
+    snapshots = _fake_cuda(monkeypatch, pool)
+    monkeypatch.setattr(launcher, "_tile_queues", {})
+    first = launcher._tile_queue(CPU)
+    assert torch.equal(first, torch.zeros(2, dtype=torch.int32)) and launcher._tile_queues == {}
+    assert launcher._tile_queue(CPU) is not first
+    pool[0] = DEFAULT
+    kept = launcher._tile_queue(CPU)
+    assert launcher._tile_queues == {(CPU, 7): kept}
+    calls = len(snapshots)
+    pool[0] = PRIVATE  # a later warm-up on the stream reuses the default pool's counter
+    assert launcher._tile_queue(CPU) is kept and len(snapshots) == calls
+
+
+def test_a_split_workspace_grown_in_a_private_pool_is_not_kept(monkeypatch):
+    """The split workspace's buffers and views: a growth in a private pool serves that
+    call only (zeroed counters, nothing appended nor remembered); outside it they are
+    kept; a private pool's call that needs no growth takes the kept ones, no snapshot."""
+    pool = [PRIVATE]
+    snapshots = _fake_cuda(monkeypatch, pool)
+    monkeypatch.setattr(launcher, "_workspace_buffers", {})
+    monkeypatch.setattr(launcher, "_workspace_views", {})
+    o_part, lse_part, counters = launcher._split_workspace(CPU, 2, 3, 4, 8, 5)
+    assert o_part.shape == (2, 3, 4, 8) and lse_part.shape == (2, 4, 3) and not counters.any()
+    assert launcher._workspace_buffers[(CPU, 7)] == ([], []) and launcher._workspace_views == {}
+
+    pool[0] = DEFAULT
+    kept = launcher._split_workspace(CPU, 2, 3, 4, 8, 5)
+    floats, zeros = launcher._workspace_buffers[(CPU, 7)]
+    assert len(floats) == len(zeros) == 1 and launcher._split_workspace(CPU, 2, 3, 4, 8, 5) is kept
+
+    pool[0] = PRIVATE
+    calls = len(snapshots)
+    small = launcher._split_workspace(CPU, 1, 2, 2, 8, 3)  # fits the kept buffers: no growth
+    assert small[0].data_ptr() == floats[0].data_ptr() and len(snapshots) == calls
+    big = launcher._split_workspace(CPU, 2, 3, 4, 8, 5000)  # more counters: a private growth
+    assert not big[2].any() and big[0].data_ptr() == floats[0].data_ptr()
+    assert big[2].data_ptr() != zeros[0].data_ptr()
+    assert len(floats) == len(zeros) == 1 and (CPU, 7, 2, 3, 4, 8, 5000) not in launcher._workspace_views
+
+
+def _launch(lse_shape):
+    """A FwdLaunch of an unsplit dense forward whose kernel is a recorder."""
+    launch = launcher.FwdLaunch()
+    launch.fn = lambda *args: None
+    launch.device, launch.lse_shape, launch.sink = CPU, lse_shape, None
+    launch.placeholder = launch.page_table = torch.zeros(2, dtype=torch.int32)
+    launch.scalars = (0, 1.0, 0.0, -1, -1)
+    launch.num_splits, launch.tile_queue, launch.workspace, launch.partials = 1, False, None, None
+    return launch
+
+
+def test_an_lse_sink_grown_in_a_private_pool_is_kept_by_neither_the_sinks_nor_a_launch(monkeypatch):
+    """Calls that discard lse write it into a shared sink: one grown in a private pool
+    (or a capture) is the call's own, and a bound launch (api's fast path) keeps only
+    the sink that _lse_sink kept."""
+    pool, capturing = [PRIVATE], [False]
+    _fake_cuda(monkeypatch, pool, capturing)
+    monkeypatch.setattr(launcher, "_lse_sinks", {})
+    monkeypatch.setattr(launcher, "_lse_sink_views", {})
+    shape = (2, 4, 3)
+    assert launcher._lse_sink(CPU, shape).shape == shape
+    assert launcher._lse_sinks[CPU] == [] and launcher._lse_sink_views == {}
+
+    q = torch.zeros(2, 3, 4, 8)
+    launch = _launch(shape)
+    out, lse = launch(q, q, q, need_lse=False)
+    assert lse is None and launch.sink is None and launcher._lse_sinks[CPU] == []
+
+    capturing[0], pool[0] = True, DEFAULT  # a capture: the graph's pool, not kept either
+    launch(q, q, q, need_lse=False)
+    assert launch.sink is None and launcher._lse_sinks[CPU] == []
+
+    capturing[0] = False
+    launch(q, q, q, need_lse=False)
+    assert launch.sink is launcher._lse_sink_views[(CPU, shape)]
+    assert launch.sink.data_ptr() == launcher._lse_sinks[CPU][0].data_ptr()
