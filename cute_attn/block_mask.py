@@ -35,6 +35,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from cute_attn.bounded_cache import outside_private_pools
 from cute_attn.masks import Modifier, SeqInfo
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -314,7 +315,9 @@ def _remembered(cache: OrderedDict, key: tuple, tensors: tuple, build, device):
     live, unmodified objects (_SameTensors); an entry leaves when one of them is freed.
     Inference tensors have no version to key by: built every time. Under CUDA graph
     capture a hit is kept alive for the graph (_held_by_graphs) and a miss is built into
-    the graph, not remembered: its lists are written only when the graph replays."""
+    the graph, not remembered: its lists are written only when the graph replays. A mask
+    built in another private pool (torch.compile's graph trees warm up in theirs, then
+    reset it) is not remembered either (bounded_cache.outside_private_pools)."""
     if not _SameTensors.rememberable(tensors):
         return build()
     key = key + (tuple(id(t) for t in tensors),)
@@ -327,6 +330,9 @@ def _remembered(cache: OrderedDict, key: tuple, tensors: tuple, build, device):
     if _capturing(device):
         return build()
     value = build()
+    if torch.device(device).type == "cuda" and not outside_private_pools(
+            *(t for t in value if isinstance(t, torch.Tensor))):
+        return value  # built in a private pool (a graph tree's warm-up): freed at its reset
     cache[key] = (_SameTensors(tensors, on_death=lambda: cache.pop(key, None)), value)
     if len(cache) > _CACHE_SIZE:
         cache.popitem(last=False)

@@ -22,7 +22,7 @@ import torch
 
 from cute_attn import split_heuristic
 from cute_attn import dropout
-from cute_attn.bounded_cache import remember
+from cute_attn.bounded_cache import outside_private_pools, remember
 from cute_attn.config import (
     CAPABILITIES,
     DTYPE_OF_INPUT,
@@ -458,7 +458,7 @@ class FwdLaunch:
             if lse is None:  # the first call that discards lse: the shared sink (_lse_sink)
                 lse = _lse_sink(self.device, self.lse_shape)
                 # kept where _lse_sink kept it: not a capture's (the graph's pool) nor another
-                # private pool's (_outside_private_pools)
+                # private pool's (outside_private_pools)
                 self.sink = _lse_sink_views.get((self.device, self.lse_shape))
         unused = self.placeholder
         cu_k = unused if kv_lengths is None else kv_lengths
@@ -802,7 +802,7 @@ def _tile_queue(device):
     counter = None if key is None else _tile_queues.get(key)
     if counter is None:
         counter = torch.zeros(2, dtype=torch.int32, device=device)
-        if key is not None and _outside_private_pools(counter):
+        if key is not None and outside_private_pools(counter):
             _tile_queues[key] = counter
     return counter
 
@@ -815,29 +815,6 @@ def _stream_key(device):
     if torch.cuda.is_current_stream_capturing():
         return None
     return device, torch._C._cuda_getCurrentRawStream(device.index)
-
-
-def _outside_private_pools(*tensors) -> bool:
-    """Whether buffers just allocated for a cache (kept across calls) lie outside every
-    private memory pool. Allocations are routed to one outside capture too: torch.compile's
-    CUDA graph trees warm a new graph up in theirs (the whole thread, not capturing), and
-    before their next recording reset it to a checkpoint, freeing every block allocated
-    since (torch's setCheckpointPoolState). A buffer kept from such a warm-up would then
-    overlap their tensors: a counter no longer zero, partials written into live data. A
-    memory snapshot, so for a cache miss only; without one (a CPU build, another
-    allocator) the buffers are kept, as before."""
-    try:
-        segments = torch.cuda.memory_snapshot()
-    except (AttributeError, RuntimeError):
-        return True
-    for t in tensors:
-        ptr = t.data_ptr()
-        for segment in segments:
-            if segment["address"] <= ptr < segment["address"] + segment["total_size"]:
-                if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0):
-                    return False
-                break
-    return True
 
 
 def _unused_page_table(device):
@@ -1032,8 +1009,8 @@ def _split_workspace(device, parts: int, seqlen_q: int, heads: int, head_dim: in
         grown.append((zeros, counters))
     views = (buf[:o_numel].view(parts, seqlen_q, heads, head_dim), buf[o_numel:numel].view(parts, heads, seqlen_q),
              counters[:tiles])
-    if grown and not _outside_private_pools(*(t for _, t in grown)):
-        return views  # a private pool's (_outside_private_pools): this call's own, not kept
+    if grown and not outside_private_pools(*(t for _, t in grown)):
+        return views  # a private pool's (outside_private_pools): this call's own, not kept
     for buffers, t in grown:
         buffers.append(t)
     return remember(_workspace_views, key, views)
@@ -1197,7 +1174,7 @@ def _lse_sink(device, shape):
             return torch.empty(shape, dtype=torch.float32, device=device)
         size = max(numel, 2 * sinks[-1].numel()) if sinks else max(numel, 1 << 16)
         sink = torch.empty(size, dtype=torch.float32, device=device)
-        if not _outside_private_pools(sink):  # a private pool's: this call's own, not kept
+        if not outside_private_pools(sink):  # a private pool's: this call's own, not kept
             return sink[:numel].view(shape)
         sinks.append(sink)
     return remember(_lse_sink_views, (device, shape), sinks[-1][:numel].view(shape))

@@ -6,11 +6,11 @@ sink) must come from the caching allocator's default pool. torch.compile's CUDA 
 trees warm a new graph up with the thread's allocations routed to their private pool,
 outside capture, and reset that pool to a checkpoint before their next recording,
 freeing every block allocated since: a counter kept from such a warm-up would be handed
-to their tensors (launcher._outside_private_pools)."""
+to their tensors (bounded_cache.outside_private_pools)."""
 
 import torch
 
-from cute_attn import launcher
+from cute_attn import bounded_cache, launcher
 
 DEFAULT, PRIVATE = (0, 0), (3, 1)
 CPU = torch.device("cpu")
@@ -39,16 +39,16 @@ def test_outside_private_pools_reads_each_buffers_segment(monkeypatch):
     segments = [{"address": a.data_ptr(), "total_size": 16, "segment_pool_id": DEFAULT},
                 {"address": b.data_ptr(), "total_size": 16, "segment_pool_id": PRIVATE}]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    assert launcher._outside_private_pools(a)
-    assert not launcher._outside_private_pools(b) and not launcher._outside_private_pools(a, b)
-    assert launcher._outside_private_pools(torch.zeros(4))  # in no segment: not the allocator's
-    assert launcher._outside_private_pools()
+    assert bounded_cache.outside_private_pools(a)
+    assert not bounded_cache.outside_private_pools(b) and not bounded_cache.outside_private_pools(a, b)
+    assert bounded_cache.outside_private_pools(torch.zeros(4))  # in no segment: not the allocator's
+    assert bounded_cache.outside_private_pools()
 
     def unavailable():
         raise RuntimeError("snapshot is not supported by this allocator")
 
     monkeypatch.setattr(torch.cuda, "memory_snapshot", unavailable)
-    assert launcher._outside_private_pools(b)  # no snapshot: kept, as before
+    assert bounded_cache.outside_private_pools(b)  # no snapshot: kept, as before
 
 
 def test_a_tile_queue_counter_from_a_private_pool_is_not_kept(monkeypatch):
@@ -132,3 +132,32 @@ def test_an_lse_sink_grown_in_a_private_pool_is_kept_by_neither_the_sinks_nor_a_
     launch(q, q, q, need_lse=False)
     assert launch.sink is launcher._lse_sink_views[(CPU, shape)]
     assert launch.sink.data_ptr() == launcher._lse_sinks[CPU][0].data_ptr()
+
+
+def test_a_block_mask_built_in_a_private_pool_is_not_cached(monkeypatch):
+    """The block-mask cache keeps the tile lists the mods' kernels read: a mask built
+    during a graph tree's warm-up (its private pool) must be rebuilt by the next call,
+    not served from memory the pool's reset freed."""
+    from cute_attn import block_mask, masks
+
+    pool = [PRIVATE]
+    _fake_cuda(monkeypatch, pool)
+    monkeypatch.setattr(block_mask, "_cache", type(block_mask._cache)())
+    built = []
+    real_build = block_mask.build_block_mask
+
+    def build(*args, **kwargs):  # on the CPU, reported as the GPU's
+        built.append(1)
+        kwargs["device"] = CPU
+        return real_build(*args[:7], **kwargs)
+
+    monkeypatch.setattr(block_mask, "build_block_mask", build)
+    mod = masks.Modifier.of("mask", masks.causal())
+    cuda = torch.device("cuda", 0)
+    first = block_mask.cached_block_mask(mod, 1, 1, 256, 256, 128, 128, cuda)
+    block_mask.cached_block_mask(mod, 1, 1, 256, 256, 128, 128, cuda)
+    assert len(built) == 2 and not block_mask._cache  # the private pool's: never kept
+    pool[0] = DEFAULT
+    kept = block_mask.cached_block_mask(mod, 1, 1, 256, 256, 128, 128, cuda)
+    assert block_mask.cached_block_mask(mod, 1, 1, 256, 256, 128, 128, cuda) is kept and len(built) == 3
+    assert torch.equal(first.partial_count, kept.partial_count)
