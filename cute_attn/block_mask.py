@@ -330,8 +330,8 @@ def _remembered(cache: OrderedDict, key: tuple, tensors: tuple, build, device):
     if _capturing(device):
         return build()
     value = build()
-    if torch.device(device).type == "cuda" and not outside_private_pools(
-            *(t for t in value if isinstance(t, torch.Tensor))):
+    lists = [t for t in (value if isinstance(value, tuple) else ()) if isinstance(t, torch.Tensor)]
+    if torch.device(device).type == "cuda" and not outside_private_pools(*lists):
         return value  # built in a private pool (a graph tree's warm-up): freed at its reset
     cache[key] = (_SameTensors(tensors, on_death=lambda: cache.pop(key, None)), value)
     if len(cache) > _CACHE_SIZE:
