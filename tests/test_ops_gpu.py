@@ -489,3 +489,49 @@ def test_discarded_lse_shares_a_sink_and_out_is_unchanged():
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, cute_attn.mha(q, k, v, return_lse=True)[0])
+
+
+def _pool_of(t, segments):
+    """The memory pool id of the allocator segment holding t (None: in none)."""
+    for s in segments:
+        if s["address"] <= t.data_ptr() < s["address"] + s["total_size"]:
+            return tuple(s.get("segment_pool_id", (0, 0)))
+    return None
+
+
+def test_reduce_overhead_graphs_leave_no_kept_buffer_in_their_pool(fresh_dynamo):
+    """torch.compile(mode="reduce-overhead") warms each new graph up in its private
+    memory pool (not capturing) and resets the pool before recording, freeing what the
+    warm-up allocated: a buffer the launcher keeps across calls (the persistent grid's
+    tile-queue counter, the split-KV workspace) must come from the default pool
+    (bounded_cache.outside_private_pools), or later calls write into the graphs' tensors.
+    A persistent causal forward, then split-KV decode steps at three batch sizes (each a
+    new graph, warmed up after the first one was recorded), against eager."""
+    from cute_attn import launcher
+
+    for cache in (launcher._tile_queues, launcher._workspace_buffers, launcher._workspace_views):
+        cache.clear()
+    prefill = torch.compile(lambda q, k, v: cute_attn.mha(q, k, v, causal=True), mode="reduce-overhead",
+                            fullgraph=True)
+    q, k, v = _qkv(2, 4096, 4096, 16, 16, 128, seed=3)
+    for _ in range(3):
+        out = prefill(q, k, v).clone()  # a graph's output is overwritten by its next replay
+    assert torch.equal(out, cute_attn.mha(q, k, v, causal=True))
+
+    def step(q1, k_cache, v_cache, lengths):
+        return cute_attn.mha_with_kvcache(q1, k_cache, v_cache, cache_seqlens=lengths, num_splits=4)
+
+    decode = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for batch in (1, 2, 4):
+        k_cache, v_cache = (_rand(batch, 8192, 4, 128, seed=20 + batch + i) for i in (0, 1))
+        lengths = torch.arange(batch, device="cuda", dtype=torch.int32) * 1000 + 5000
+        q1 = _rand(batch, 1, 16, 128, seed=30 + batch)
+        for _ in range(3):
+            got = decode(q1, k_cache, v_cache, lengths).clone()
+        want = step(q1, k_cache, v_cache, lengths)
+        assert (got.float() - want.float()).abs().max().item() < 1e-2, batch
+    segments = torch.cuda.memory_snapshot()
+    kept = list(launcher._tile_queues.values()) + [t for floats, zeros in launcher._workspace_buffers.values()
+                                                    for t in (*floats, *zeros)]
+    assert kept, "nothing was kept: this shape no longer takes the tile queue or the split path"
+    assert all(_pool_of(t, segments) == (0, 0) for t in kept), [_pool_of(t, segments) for t in kept]
