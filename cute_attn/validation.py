@@ -204,6 +204,15 @@ def _check_shapes(q, k, v):
 def _check_is_tensor(name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    # a sparse or nested tensor has no (or symbolic) strides: the layout checks would
+    # misname it (sparse strides read as 0, "expanded") or fail inside torch (jagged)
+    if t.is_nested:
+        raise TypeError(f"{name} is a nested tensor (layout {t.layout}); pass dense tensors, or the "
+                        "packed sequences to mha_varlen (a jagged tensor's .values(), with "
+                        ".offsets().to(torch.int32) as cu_seqlens)")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense (torch.strided) tensor, got layout {t.layout}; "
+                        "call .to_dense()")
 
 
 def _check_rank(name, t, dims, shape):
@@ -279,6 +288,13 @@ def _layout_problem(name, t, policy):
         return (f"{name} strides must be multiples of {policy.align_elems} elements "
                 f"({policy.align_bytes} bytes, a TMA requirement), got strides {strides}; "
                 f"{_COPY_HINT}")
+    if not pointer_unknown(t) and not t.data_ptr() and t.numel():
+        # a wrapper subclass (DTensor, or any _make_wrapper_subclass tensor) has no storage:
+        # its address reads 0, which passes the alignment test below and would be launched
+        return (f"{name} has no memory of its own (data pointer 0 for {t.numel()} elements): "
+                f"a wrapper tensor subclass ({type(t).__name__}, such as a DTensor) keeps its "
+                "data in inner tensors, which the kernels cannot read; pass a plain tensor "
+                "(a DTensor's .to_local())")
     if not pointer_unknown(t) and t.data_ptr() % policy.align_bytes:
         return (f"{name} data pointer must be {policy.align_bytes}-byte aligned (a TMA "
                 f"requirement), got address {t.data_ptr():#x} (storage offset "
