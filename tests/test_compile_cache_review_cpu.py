@@ -12,7 +12,6 @@ import os
 import resource
 import signal
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,47 +21,9 @@ from cute_attn import tuning
 from cute_attn.config import AttnFeatures, fwd_config_for
 
 
-@dataclass(frozen=True)
-class Key:
-    name: str
-    arch: str = "sm_90a"
-
-
-def fake_compile(key, count_file):
-    with open(count_file, "a") as f:
-        f.write(f"{os.getpid()}\n")
-    return f"kernel<{key.name}>"
-
-
-def fake_export(compiled, folder):
-    (folder / "kernel.bin").write_text(compiled)
-    return {}
-
-
-def fake_load(folder, meta):
-    return ("loaded", (folder / "kernel.bin").read_text())
-
-
-def direct(compiled):
-    return ("direct", compiled)
-
-
-def compiles(count_file):
-    path = Path(count_file)
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv(cc.ENV_DIR, str(root))
-    monkeypatch.delenv(cc.ENV_ENABLE, raising=False)
-    return root
-
-
-@pytest.fixture
-def counter(tmp_path):
-    return str(tmp_path / "compiles.txt")
+# the fakes and fixtures of test_compile_cache_cpu.py (its fake_export and fake_load:
+# a manifest listing two files)
+from test_compile_cache_cpu import Key, cache, compiles, counter, direct, fake_compile, fake_export, fake_load  # noqa: E402,F401,I001
 
 
 def run(key, counter, export=fake_export):
@@ -120,10 +81,10 @@ def test_dsl_compile_settings_are_part_of_the_key(cache, counter, monkeypatch, s
     run(key, counter)
     monkeypatch.setenv(setting, "1")
     assert cc.entry_key(key) != plain
-    assert run(key, counter) == ("loaded", "kernel<fwd>")
+    assert run(key, counter) == ("loaded", "kernel<fwd,1>")
     assert compiles(counter) == 2
     monkeypatch.delenv(setting)
-    assert run(key, counter) == ("loaded", "kernel<fwd>")
+    assert run(key, counter) == ("loaded", "kernel<fwd,1>")
     assert compiles(counter) == 2  # the first entry still stands
 
 
@@ -167,11 +128,11 @@ def test_lock_file_that_only_reads_still_loads(cache, counter, monkeypatch):
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", no_write_on_locks)
-    assert run(key, counter) == ("loaded", "kernel<fwd>")
+    assert run(key, counter) == ("loaded", "kernel<fwd,1>")
     assert compiles(counter) == 1
     # no lock file at all and none can be made: compiled in memory, with a warning
     (cache / (cc.entry_key(key) + ".lock")).unlink()
-    assert run(key, counter) == ("direct", "kernel<fwd>")
+    assert run(key, counter) == ("direct", "kernel<fwd,1>")
     assert compiles(counter) == 2
 
 
@@ -200,17 +161,17 @@ def _in_child_with_file_limit(limit, fn, *args):
 
 def _big_export(compiled, folder):
     (folder / "kernel.bin").write_text(compiled)
-    (folder / "big.bin").write_bytes(b"x" * 1_000_000)
-    return {}
+    (folder / "extra.txt").write_bytes(b"x" * 1_000_000)  # past the child's file-size limit
+    return {"files": ["kernel.bin", "extra.txt"]}
 
 
 def test_full_disk_compiles_in_memory_and_leaves_nothing(cache, counter):
     key = Key("fwd")
     got = _in_child_with_file_limit(4096, run, key, counter, _big_export)
-    assert got == ("ok", ("direct", "kernel<fwd>"))
+    assert got == ("ok", ("direct", "kernel<fwd,1>"))
     assert not (cache / cc.entry_key(key)).exists()
     assert not list(cache.glob(".tmp-*"))
-    assert run(key, counter, _big_export) == ("loaded", "kernel<fwd>")  # room again: built
+    assert run(key, counter, _big_export) == ("loaded", "kernel<fwd,1>")  # room again: built
     assert compiles(counter) == 2
 
 
