@@ -12,13 +12,12 @@ producer assembles each KV block from TMA boxes of one page each (FwdConfig.page
 
 from typing import Optional, Union
 
-import torch
 from torch import Tensor
 
 from cute_attn import api
 from cute_attn.bounded_cache import remember
 from cute_attn.config import RunArgs, attn_features
-from cute_attn.kvcache_checks import separate_caches, validate_kvcache_inputs
+from cute_attn.kvcache_checks import refuse_grad, separate_caches, validate_kvcache_inputs
 
 _TensorPair = tuple[Tensor, Tensor]
 
@@ -78,10 +77,8 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
                                      | (0 if k is None else k.data_ptr() | v.data_ptr())) & 15 \
                 and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg()
                          or (k is not None and (k.is_neg() or v.is_neg()))) \
-                and (k is None or separate_caches(k_cache, v_cache, k, v)) \
-                and not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
-                                                      or v_cache.requires_grad
-                                                      or (k is not None and (k.requires_grad or v.requires_grad)))):
+                and (k is None or separate_caches(k_cache, v_cache, k, v)):
+            refuse_grad(q, k_cache, v_cache, k, v)
             return step(q, k_cache, v_cache, k, v, cache_seqlens, page_table, return_lse)
     problem = validate_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=page_table, causal=causal,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_bench_features_cpu import _brute_pairs as brute_pairs  # bottom-right pairs, enumerated
 
 PERF = Path(__file__).resolve().parents[1] / "perf"
 
@@ -22,16 +23,6 @@ def perf():
         sys.path.insert(0, str(PERF))
     return {name: importlib.import_module(name)
             for name in ("harness", "bench_features", "bench_sinks", "bench_decode")}
-
-
-def brute_pairs(sq, sk, causal=False, window=(-1, -1)):
-    """Visible (query, key) pairs, bottom-right aligned, by enumerating every pair."""
-    left, right = window
-    if causal:
-        right = 0
-    shift = sk - sq
-    return sum(1 for i in range(sq) for j in range(sk)
-               if (left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right))
 
 
 # ---------------------------------------------------------------------------------------
@@ -45,7 +36,7 @@ def test_causal_flops_follow_the_visible_pairs_when_seqlen_q_differs(perf, sq, s
     visible region (the papers' half at sq == sk): half a pair per diagonal row from exact."""
     h = perf["harness"]
     b, nh, d = 2, 3, 64
-    exact = 4 * b * nh * d * brute_pairs(sq, sk, causal=True)
+    exact = 4 * b * nh * d * brute_pairs(sq, sk, True, (-1, -1))
     got = h.attention_flops(b, nh, sq, sk, d, True)
     assert abs(got - exact) <= 4 * b * nh * d * min(sq, sk) / 2
     assert h.attention_flops(b, nh, sq, sk, d, True, "bwd") == 2.5 * got
@@ -72,7 +63,7 @@ def test_feature_flops_gqa_varlen_bwd(perf):
     bf = perf["bench_features"]
     # GQA: query heads count (32), not KV heads (8); varlen: a sum over the sequences
     case = bf.Case("x", "gqa", 32, 8, 128, causal=True, seqlens=(5, 9, 1))
-    pairs = brute_pairs(5, 5, True) + brute_pairs(9, 9, True) + brute_pairs(1, 1, True)
+    pairs = brute_pairs(5, 5, True, (-1, -1)) + brute_pairs(9, 9, True, (-1, -1)) + brute_pairs(1, 1, True, (-1, -1))
     assert case.flops() == 4 * 128 * 32 * pairs
     assert case.flops("bwd") == 2.5 * 4 * 128 * 32 * pairs
 

@@ -15,6 +15,7 @@ import torch
 
 import cute_attn
 from cpu_standin import LauncherTrap, fake_cuda
+from test_validation import _varlen  # a packed batch with an empty sequence
 from cute_attn import api, validation
 
 
@@ -32,17 +33,6 @@ def _qkv(b=2, sq=16, sk=24, h=4, h_kv=4, d=64, dtype=torch.bfloat16):
     torch.manual_seed(0)
     return (torch.randn(b, sq, h, d, dtype=dtype), torch.randn(b, sk, h_kv, d, dtype=dtype),
             torch.randn(b, sk, h_kv, d, dtype=dtype))
-
-
-def _varlen(lens_q=(3, 0, 5), lens_k=(4, 2, 5), h=8, h_kv=2, d=64):
-    q = torch.randn(sum(lens_q), h, d, dtype=torch.bfloat16)
-    k = torch.randn(sum(lens_k), h_kv, d, dtype=torch.bfloat16)
-    v = torch.randn(sum(lens_k), h_kv, d, dtype=torch.bfloat16)
-
-    def cu(lens):
-        return torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
-
-    return q, k, v, cu(lens_q), cu(lens_k)
 
 
 def _cuda(*tensors):
