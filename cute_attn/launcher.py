@@ -477,8 +477,9 @@ class FwdLaunch:
 def bind_fwd(q, k, features: AttnFeatures, args: RunArgs, num_splits: Optional[int] = None) -> Optional[FwdLaunch]:
     """A FwdLaunch for validated inputs of this signature, or None where run_fwd does
     more than allocate and launch once (varlen views, an output dtype other than q's) or
-    while a CUDA graph captures (the sink would come from the graph's pool, not a buffer
-    to keep). num_splits as run_fwd's."""
+    while a CUDA graph captures or torch.compile's graph trees warm up in a private pool
+    (the sink, placeholders and partials would come from that pool, not buffers to keep).
+    num_splits as run_fwd's."""
     if features.varlen or DTYPE_OF_INPUT[q.dtype].output is not q.dtype or torch.cuda.is_current_stream_capturing():
         return None
     plan = _plan(q, k, features, args, None, num_splits)
@@ -489,6 +490,9 @@ def bind_fwd(q, k, features: AttnFeatures, args: RunArgs, num_splits: Optional[i
     launch.sink = None  # fetched by the first call that discards lse: training calls never grow it
     launch.placeholder = _unused_cu_seqlens(q.device)
     launch.page_table = _unused_page_table(q.device)
+    if _placeholders.get((q.device, (2,))) is not launch.placeholder \
+            or _placeholders.get((q.device, (1, 1))) is not launch.page_table:
+        return None  # made in a private pool (a graph tree's warm-up): this call's own, not bound
     launch.scalars = (args.max_seqlen_q, args.softmax_scale, args.softcap) + tuple(args.window)
     launch.num_splits = plan.num_splits
     launch.tile_queue = plan.tile_queue
@@ -499,6 +503,8 @@ def bind_fwd(q, k, features: AttnFeatures, args: RunArgs, num_splits: Optional[i
         launch.workspace = (plan.num_splits * batch, seqlen_q, heads, head_dim, plan.tiles)
         if plan.cluster_merge:
             launch.partials = _unused_partials(q.device, seqlen_q, heads, head_dim)
+            if _unused_partial_buffers.get((q.device, seqlen_q, heads, head_dim)) is not launch.partials:
+                return None  # a private pool's (a graph tree's warm-up): not a buffer to bind
     return launch
 
 
@@ -780,8 +786,17 @@ def _placeholder(device, shape):
     backward's semaphore): one per device and shape, so no call allocates or memsets it."""
     t = _placeholders.get((device, shape))
     if t is None:
-        t = _placeholders[(device, shape)] = torch.zeros(shape, dtype=torch.int32, device=device)
+        t = torch.zeros(shape, dtype=torch.int32, device=device)
+        if _keepable(t):
+            _placeholders[(device, shape)] = t
     return t
+
+
+def _keepable(*tensors) -> bool:
+    """Whether buffers just allocated for a cache may be kept across calls: not a CUDA
+    graph capture's (the graph's pool) nor another private pool's (torch.compile's graph
+    trees warm up in theirs, then free it: bounded_cache.outside_private_pools)."""
+    return not torch.cuda.is_current_stream_capturing() and outside_private_pools(*tensors)
 
 
 def _unused_cu_seqlens(device):
@@ -962,7 +977,7 @@ def _unused_partials(device, seqlen_q: int, heads: int, head_dim: int):
         f32 = dict(dtype=torch.float32, device=device)
         parts = (torch.empty((1, seqlen_q, heads, head_dim), **f32), torch.empty((1, heads, seqlen_q), **f32),
                  torch.empty((1,), dtype=torch.int32, device=device))
-        if not torch.cuda.is_current_stream_capturing():
+        if _keepable(*parts):
             remember(_unused_partial_buffers, key, parts, limit=16)
     return parts
 

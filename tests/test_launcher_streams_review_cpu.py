@@ -11,6 +11,7 @@ to their tensors (bounded_cache.outside_private_pools)."""
 import torch
 
 from cute_attn import bounded_cache, launcher
+from cute_attn.config import AttnFeatures, RunArgs
 
 DEFAULT, PRIVATE = (0, 0), (3, 1)
 CPU = torch.device("cpu")
@@ -161,3 +162,31 @@ def test_a_block_mask_built_in_a_private_pool_is_not_cached(monkeypatch):
     kept = block_mask.cached_block_mask(mod, 1, 1, 256, 256, 128, 128, cuda)
     assert block_mask.cached_block_mask(mod, 1, 1, 256, 256, 128, 128, cuda) is kept and len(built) == 3
     assert torch.equal(first.partial_count, kept.partial_count)
+
+
+def test_placeholders_and_unused_partials_from_a_private_pool_are_not_kept_nor_bound(monkeypatch):
+    """The tensors a kernel takes but never reads (cu_seqlens, page table, a cluster
+    merge's partials) are cached too: made during a graph tree's warm-up they belong to
+    its pool, which torch.compile checks holds nothing but tracked outputs (session 32:
+    'Detected 3 tensor(s) in the cudagraph pool not tracked as outputs' from the kept
+    partials). So neither cache keeps them, and bind_fwd binds no launch holding them;
+    outside the pool both are kept and the launch binds."""
+    pool = [PRIVATE]
+    _fake_cuda(monkeypatch, pool)
+    for cache in ("_placeholders", "_unused_partial_buffers", "_lse_sinks", "_lse_sink_views"):
+        monkeypatch.setattr(launcher, cache, {})
+    plan = launcher._Plan(fn=lambda *args: None, num_splits=4, tile_queue=False, tiles=2, cluster_merge=True)
+    monkeypatch.setattr(launcher, "_plan", lambda *args: plan)
+    monkeypatch.setattr(launcher, "DTYPE_OF_INPUT", {torch.float32: type("P", (), {"output": torch.float32})})
+    q = torch.zeros(1, 1, 4, 8)
+    features = AttnFeatures()
+    args = RunArgs(softmax_scale=1.0, max_seqlen_q=1)
+
+    assert launcher._unused_cu_seqlens(CPU).shape == (2,) and launcher._placeholders == {}
+    assert len(launcher._unused_partials(CPU, 1, 4, 8)) == 3 and launcher._unused_partial_buffers == {}
+    assert launcher.bind_fwd(q, q, features, args) is None
+
+    pool[0] = DEFAULT
+    launch = launcher.bind_fwd(q, q, features, args)
+    assert launch is not None and launch.placeholder is launcher._placeholders[(CPU, (2,))]
+    assert launch.partials is launcher._unused_partial_buffers[(CPU, 1, 4, 8)]
