@@ -705,10 +705,20 @@ class BwdConfig(_WarpSpecialized):
     # (FlashAttention-4's Hopper order, dQ^T issued before dV's wait with P^T still held,
     # made ptxas 13.0 serialise every WGMMA of the kernel, C7512: perf/NOTES.md session 28)
     dq_order: str = "after_dkv"
+    # Depth of the dO (+D) ring; 0: num_stages, as Q's. One stage frees tile_m * head_dim * 2
+    # bytes (32 KB at head dim 256: the room a 2-CTA dS exchange would need, perf/NOTES.md
+    # session 31); its stage is then released as soon as dV's WGMMA, its last reader, has
+    # retired, so the next block's dO loads under the step's dQ and dK WGMMAs. split_d only.
+    do_stages: int = 0
 
     @property
     def num_mma_warpgroups(self) -> int:
         return 2 if self.split_d else self.tile_n // 64
+
+    @property
+    def do_ring(self) -> int:
+        """The dO ring's depth (do_stages, or Q's num_stages)."""
+        return self.do_stages or self.num_stages
 
     def __post_init__(self):
         if self.tile_n % 64 or not 1 <= self.tile_n // 64 <= 2:
@@ -737,6 +747,9 @@ class BwdConfig(_WarpSpecialized):
                              "and every warpgroup on dQ")
         if self.dq_handoff_per_wg and (self.ds_stages != 2 or self.num_mma_warpgroups != 2):
             raise ValueError("dq_handoff_per_wg takes ds_stages 2 and two consumer warpgroups")
+        if self.do_stages and (not 1 <= self.do_stages < self.num_stages or not self.split_d):
+            raise ValueError(f"do_stages must be 0 (num_stages) or in [1, num_stages) with split_d, got "
+                             f"{self.do_stages} (num_stages {self.num_stages}, split_d {self.split_d})")
 
 
 def split_d_bwd_config(head_dim: int, dq_atomic: bool) -> BwdConfig:

@@ -27,6 +27,8 @@ swapped_dq_bwd_config and these knobs are compared against copy at two changes a
     dqjoint  the 64-row default with the joint dQ hand-off (the per-warpgroup one is its
              choice from config.DQ_HANDOFF_PER_WG_FROM_QUERIES rows)
     copy     the default itself (at each length), timed again: the run's noise floor
+    do1      the default with a one-stage dO ring, released once dV's WGMMA retired
+             (BwdConfig.do_stages; split_d head dims 192 / 256 with two Q stages)
     m64      the 64-row default (at head dim 128, no mask or causal, the config that
              swapped_dq_bwd_config replaced in session 29; elsewhere the default)
     m80      80 query rows per step and dQ^T = K^T dS^T (BwdConfig.dq_swapped; head dim 128
@@ -84,6 +86,8 @@ VARIANTS = {  # (head dim, features, query rows) -> a forced config, or None whe
     "dqwg": lambda d, f, s: (dataclasses.replace(_m64(d, f, s), ds_stages=2, dq_handoff_per_wg=True)
                              if d in (64, 128) else None),
     "dqjoint": lambda d, f, s: _joint(d, f, s),
+    "do1": lambda d, f, s: (dataclasses.replace(_default(d, f, s), do_stages=1)
+                            if _default(d, f, s).split_d and _default(d, f, s).num_stages > 1 else None),
     "copy": lambda d, f, s: _default(d, f, s),
     "m64": lambda d, f, s: _m64(d, f, s),
 }

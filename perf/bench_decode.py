@@ -70,6 +70,11 @@ GRID_IMPLS = ("cute_attn_kvcache", "cute_attn_paged16", "cute_attn_paged64", "sd
 CUDNN_H200_PUBLISHED = {(1, 1, 32768): 3250, (1, 1, 131072): 4100, (128, 1, None): 4500}
 
 
+def published_gbs(batch: int, seqlen_q: int, seqlen_k: int):
+    """cuDNN's published H200 bandwidth at this grid point (CUDNN_H200_PUBLISHED), or None."""
+    return CUDNN_H200_PUBLISHED.get((batch, seqlen_q, seqlen_k), CUDNN_H200_PUBLISHED.get((batch, seqlen_q, None)))
+
+
 GRAPH_CALLS = 20
 GRAPH_REPLAYS = 5
 
@@ -239,6 +244,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="the issue's four shapes only")
     p.add_argument("--grid", action="store_true", help="the cuDNN decode sweep's grid (paged, kvcache, SDPA)")
+    p.add_argument("--published", action="store_true",
+                   help="with --grid: only the points with a published cuDNN figure (CUDNN_H200_PUBLISHED)")
     p.add_argument("--graph", action="store_true",
                    help="also time each implementation in a CUDA graph of GRAPH_CALLS calls (graph_us)")
     p.add_argument("--host-overhead", action="store_true",
@@ -255,7 +262,12 @@ def main(argv=None) -> int:
     if args.grid:
         fns = {n: f for n, f in fns.items() if n in GRID_IMPLS}
     records, path = [], None
-    for b, sq, sk, h, hkv, d in (GRID if args.grid else QUICK if args.quick else SHAPES):
+    shapes = GRID if args.grid else QUICK if args.quick else SHAPES
+    if args.published:
+        if not args.grid:
+            p.error("--published selects points of --grid")
+        shapes = [s for s in GRID if published_gbs(*s[:3]) is not None]
+    for b, sq, sk, h, hkv, d in shapes:
         kv_bytes = 2 * b * sk * hkv * d * 2
         if 3 * kv_bytes > torch.cuda.mem_get_info()[0]:  # K, V and SDPA's working room
             harness.log(f"b{b} q{sq} k{sk}: skipped, {kv_bytes / 2**30:.0f} GiB of K/V does not fit")
@@ -308,7 +320,7 @@ def main(argv=None) -> int:
         kvs = None
         harness.log(f"b{b} q{sq} k{sk} h{h}/{hkv} d{d} splits {splits} host {host_us:.1f} us: " + " | ".join(cells)
                     + (f"  skipped {errors}" if errors else ""))
-        published = CUDNN_H200_PUBLISHED.get((b, sq, sk), CUDNN_H200_PUBLISHED.get((b, sq, None)))
+        published = published_gbs(b, sq, sk)
         if published is not None:
             rec["cudnn_h200_published_gbs"] = published
         records.append(rec)

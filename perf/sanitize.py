@@ -214,6 +214,10 @@ CASES = (
          extra={"config": "m80bdkwg"}),
     Case("bwd-m80-after-dv-gqa", batch=2, seqlen_q=700, seqlen_k=900, nheads=8, nheads_kv=2,
          extra={"config": "m80adv"}),
+    # BwdConfig.do_stages 1 (head dim 256): dO's one-stage ring with its own pipeline state,
+    # released once dV's WGMMA retired, while Q keeps two stages; causal GQA, ragged lengths
+    Case("bwd-do1-hd256-causal-gqa", head_dim=256, batch=2, seqlen_q=333, seqlen_k=400, nheads=4, nheads_kv=2,
+         causal=True, extra={"config": "do1"}),
     # kernels/combine.py (context parallelism's LSE merge): 3 splits, 300 rows, in place too
     Case("lse-combine", batch=2, seqlen_q=300, nheads=3, backward=False, extra={"combine": 3}),
 )
@@ -388,6 +392,11 @@ def force_config(name):
     elif name == "ds2":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2)
+    elif name == "do1":
+        def one_do_stage(*a, **kw):
+            cfg = config.bwd_config_for(*a, **kw)
+            return dataclasses.replace(cfg, do_stages=1) if cfg.split_d and cfg.num_stages > 1 else cfg
+        launcher.bwd_config_for = one_do_stage
     elif name == "dq_per_wg":
         launcher.bwd_config_for = lambda *a, **kw: dataclasses.replace(
             config.bwd_config_for(*a, **kw), ds_stages=2, dq_handoff_per_wg=True)

@@ -625,3 +625,15 @@ def test_decode_graph_timing_rotates_enough_kv_copies():
     for kv in (1 << 20, 3 << 20, 33 << 20, 100 << 20):
         n = module.rotating_copies(kv, l2)
         assert (n - 1) * kv >= 2 * l2 or n == module.GRAPH_CALLS or (n == 1 and kv >= 2 * l2)
+
+
+def test_decode_published_points_are_the_grids_points_with_a_cudnn_figure():
+    """perf/bench_decode.py --grid --published: one query at batch 1 x 32K / 128K and batch 128
+    at every key count (the issue gives batch 128's figure for all of them); nothing else."""
+    spec = importlib.util.spec_from_file_location("perf_bench_decode_published", PERF / "bench_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    points = [s[:3] for s in module.GRID if module.published_gbs(*s[:3]) is not None]
+    assert points == [(1, 1, 32768), (1, 1, 131072), (128, 1, 2048), (128, 1, 8192), (128, 1, 32768),
+                      (128, 1, 131072)], points
+    assert module.published_gbs(1, 8, 32768) is None and module.published_gbs(128, 1, 2048) == 4500

@@ -732,6 +732,27 @@ def test_split_d_config_is_validated():
             BwdConfig(**{**dict(tile_m=64, tile_n=64, dq_warpgroups=2, split_d=True), **bad})
 
 
+def test_one_stage_do_ring_compiles_spill_free_with_its_own_barriers():
+    """BwdConfig.do_stages 1 under split_d (head dim 256, Q two stages): a dO ring of its
+    own (one stage, 32 KB less shared memory), spill-free; refused outside split_d or at
+    Q's depth or deeper."""
+    import dataclasses
+
+    from cute_attn.config import BwdConfig, split_d_bwd_config
+
+    cfg = dataclasses.replace(split_d_bwd_config(256, dq_atomic=True), do_stages=1)
+    assert cfg.do_ring == 1 and split_d_bwd_config(256, dq_atomic=True).do_ring == 2
+    main = ptx_tool.compile_bwd_artifacts("bf16", 256, AttnFeatures(mask="causal"), cfg)["main"]
+    m = re.search(r"(\d+) bytes spill stores", main.ptxas_report)
+    assert m and int(m.group(1)) == 0, main.ptxas_report
+    # Q's two stages and dO's one: full + empty barriers each, beside K/V's pair
+    inits = re.findall(r"mbarrier\.init\.shared\.b64", main.ptx)
+    assert len(inits) == 2 + 2 * 2 + 2 * 1, len(inits)
+    for bad in (dict(do_stages=2), dict(do_stages=3), dict(do_stages=1, split_d=False, tile_n=128)):
+        with pytest.raises(ValueError, match="do_stages"):
+            BwdConfig(**{**dict(tile_m=64, tile_n=64, num_stages=2, dq_warpgroups=2, split_d=True), **bad})
+
+
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_head_dim_64_backward_splits_dq_by_queries(mask):
     """At head dim 64 (128 query rows per step, two warpgroups) dQ = dS K runs as 64 x 64

@@ -233,16 +233,22 @@ SPLIT_D_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dq_path", ["atomic", "sdq"])
+@pytest.mark.parametrize("dq_path", ["atomic", "sdq", "atomic-do1"])
 @pytest.mark.parametrize("case", SPLIT_D_CASES, ids=str)
 def test_split_d_backward(case, dq_path, monkeypatch):
     """The head-dim-split backward for 192/256 (config.split_d_bwd_config) with either dQ
     path forced: atomics from registers (bwd_config_for's at 256) and the sdQ tile with
-    the dQ writer (its choice at 192, and the deterministic backward's): the accuracy rule
-    of every backward test, and bit-identical deterministic gradients on the GQA cases."""
+    the dQ writer (its choice at 192, and the deterministic backward's); atomic-do1 is
+    the first with a one-stage dO ring (BwdConfig.do_stages: its own pipeline state, the
+    stage freed once dV's WGMMA retired). The accuracy rule of every backward test, and
+    bit-identical deterministic gradients on the GQA cases."""
+    import dataclasses
+
     from cute_attn import config, launcher
 
-    forced = config.split_d_bwd_config(case.d, dq_atomic=dq_path == "atomic")
+    forced = config.split_d_bwd_config(case.d, dq_atomic=dq_path.startswith("atomic"))
+    if dq_path == "atomic-do1":
+        forced = dataclasses.replace(forced, do_stages=1)
     default = config.bwd_config_for(case.d, config.AttnFeatures())
     assert default.split_d and default.dq_atomic == (case.d == 256)
     monkeypatch.setattr(launcher, "bwd_config_for",

@@ -57,9 +57,10 @@ def prefetch_descriptors(tensors: tuple):
             cpasync.prefetch_descriptor(t.atom)
 
 
-def release_after_loads(state, *pipes):
-    """Release a stage of each ring in `pipes` that this warp also read with ordinary
-    shared-memory loads (not only through WGMMA): e.g. the backward's per-query LSE2 and D.
+def release_after_loads(*rings):
+    """Release a stage of each ring, given as (pipeline, its consumer state) pairs, that
+    this warp also read with ordinary shared-memory loads (not only through WGMMA): e.g.
+    the backward's per-query LSE2 and D.
 
     A ring's stage is released by one arrive per warp, from lane 0 (PipelineTmaAsync's
     consumer_release). Lane 0's arrive orders lane 0's own reads before the producer's
@@ -70,5 +71,5 @@ def release_after_loads(state, *pipes):
     __syncwarp first orders every lane's loads before the arrive, which the producer's
     wait on the empty barrier then orders before its next TMA write into the stage."""
     cute.arch.sync_warp()
-    for p in pipes:
-        p.consumer_release(state)
+    for pipe, state in rings:
+        pipe.consumer_release(state)

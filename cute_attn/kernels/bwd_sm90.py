@@ -159,7 +159,8 @@ class BwdGlobals(NamedTuple):
 class BwdLayouts(NamedTuple):
     """The static shared-memory layouts and tiled MMAs."""
 
-    sQ: cute.ComposedLayout  # (tile_m, head_dim, stages), also dO's
+    sQ: cute.ComposedLayout  # (tile_m, head_dim, stages)
+    sdO: cute.ComposedLayout  # (tile_m, head_dim, dO stages): BwdConfig.do_stages
     sK: cute.ComposedLayout  # (tile_n, head_dim), also V's
     sdS: cute.ComposedLayout  # (tile_n, tile_m): dS^T, queries contiguous
     sdKV: cute.ComposedLayout  # (tile_n, head_dim): dK, dV staged over sK, sV
@@ -239,6 +240,10 @@ class FlashBwdSm90:
             raise ValueError("the deterministic backward orders its dQ reduce-adds: dq_atomic cannot serve it")
         self.split_d = config.split_d  # see BwdConfig.split_d
         self.ds_stages = config.ds_stages  # see BwdConfig.ds_stages
+        self.do_stages = config.do_ring  # see BwdConfig.do_stages
+        # a dO ring shallower than Q's: a pipeline state of its own, and its stage freed once
+        # dV's WGMMA retired; else dO's stage is Q's (one state: no second bookkeeping)
+        self.own_do_ring = self.do_stages != self.num_stages
         self.dp_wait_after_exp2 = config.dp_wait_after_exp2  # see BwdConfig.dp_wait_after_exp2
         self.dq_handoff_per_wg = config.dq_handoff_per_wg  # see BwdConfig.dq_handoff_per_wg
         if self.dq_handoff_per_wg and deterministic:
@@ -309,8 +314,11 @@ class FlashBwdSm90:
         # split_d: each warpgroup's d / 2 columns of Q, dO, K, V (B operands of dK, dV, dQ)
         # must be whole swizzle atoms (192: 96-column halves straddle the 128-byte atom)
         half_atoms = d // wgs if self.split_d else None
+        sQ = mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages, atom_cols=half_atoms)
         layouts = BwdLayouts(
-            sQ=mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.num_stages, atom_cols=half_atoms),
+            sQ=sQ,
+            sdO=sQ if not self.own_do_ring else mma_sm90.make_smem_layout(self.dtype, self.tile_m, d, self.do_stages,
+                                                                          atom_cols=half_atoms),
             sK=mma_sm90.make_smem_layout(self.dtype, self.tile_n, d, atom_cols=half_atoms),
             # dS^T stored keys x queries with queries contiguous: read back MN-major as dS's A;
             # dq_swapped: dS stored queries x keys, keys contiguous, dQ^T's K-major B (a row
@@ -359,13 +367,13 @@ class FlashBwdSm90:
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, self.do_stages * 2]
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.stats_stride * self.num_stages], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.stats_stride * self.num_stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.stats_stride * self.do_stages], 128]
             if cutlass.const_expr(not self.dq_atomic):  # dQ atomics need no staging tile
                 sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sQ)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sdO)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.sK)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.p_dtype, cute.cosize(layouts.sdS)], 1024]
@@ -397,20 +405,23 @@ class FlashBwdSm90:
         pipes = BwdPipelines(
             kv=make_tma_pipeline(storage.mbar_kv.data_ptr(), 1, self.tma_bytes_kv, self.num_mma_threads),
             q=make_tma_pipeline(storage.mbar_q.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads),
-            do=make_tma_pipeline(storage.mbar_do.data_ptr(), self.num_stages, self.tma_bytes_q, self.num_mma_threads),
+            do=make_tma_pipeline(storage.mbar_do.data_ptr(), self.do_stages, self.tma_bytes_q, self.num_mma_threads),
         )
         pipeline_init_arrive(is_relaxed=True)
 
         stats_layout = cute.make_layout((self.tile_m, self.num_stages), stride=(1, self.stats_stride))
-        sQ_l, sK_l, sdS_l, sdKV_l = layouts.sQ, layouts.sK, layouts.sdS, layouts.sdKV
+        do_stats_layout = stats_layout
+        if cutlass.const_expr(self.own_do_ring):
+            do_stats_layout = cute.make_layout((self.tile_m, self.do_stages), stride=(1, self.stats_stride))
+        sQ_l, sdO_l, sK_l, sdS_l, sdKV_l = layouts.sQ, layouts.sdO, layouts.sK, layouts.sdS, layouts.sdKV
         smem = BwdSmem(
             q=storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner),
-            do=storage.sdO.get_tensor(sQ_l.outer, swizzle=sQ_l.inner),
+            do=storage.sdO.get_tensor(sdO_l.outer, swizzle=sdO_l.inner),
             k=storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner),
             v=storage.sV.get_tensor(sK_l.outer, swizzle=sK_l.inner),
             ds=self.keys_by_queries(storage.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)),
             lse2=storage.sLSE2.get_tensor(stats_layout),
-            dsum=storage.sD.get_tensor(stats_layout),
+            dsum=storage.sD.get_tensor(do_stats_layout),
             dq=None if self.dq_atomic else storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim)),
             # the epilogue's views of the K and V buffers
             dk=storage.sK.get_tensor(sdKV_l.outer, swizzle=sdKV_l.inner),
@@ -468,6 +479,11 @@ class FlashBwdSm90:
         cute.copy(g.v.atom, tVgV, tVsV, tma_bar_ptr=kv_bar)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        # (None: dO's stage is Q's. Never an alias of `state`: the DSL carries each name
+        # through its loops apart, so an alias would not advance with it)
+        do_state = None
+        if cutlass.const_expr(self.own_do_ring):
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         for i in cutlass.range(group, unroll=1):
             head = head_kv * group + i
             blocks, m_first, count = self.q_blocks(g, tile, head, block_range, seqlen)
@@ -485,11 +501,14 @@ class FlashBwdSm90:
                 bar = pipes.q.producer_get_barrier(state)
                 cute.copy(g.q.atom, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
                 cute.copy(g.lse2.atom, tLgL[None, stats_block0 + m_block], tLsL[None, state.index], tma_bar_ptr=bar)
-                pipes.do.producer_acquire(state)
-                bar = pipes.do.producer_get_barrier(state)
-                cute.copy(g.do.atom, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-                cute.copy(g.dsum.atom, tDgD[None, stats_block0 + m_block], tDsD[None, state.index], tma_bar_ptr=bar)
+                do_ring = state if cutlass.const_expr(do_state is None) else do_state
+                pipes.do.producer_acquire(do_ring)
+                bar = pipes.do.producer_get_barrier(do_ring)
+                cute.copy(g.do.atom, tdOgdO[None, m_block], tdOsdO[None, do_ring.index], tma_bar_ptr=bar)
+                cute.copy(g.dsum.atom, tDgD[None, stats_block0 + m_block], tDsD[None, do_ring.index], tma_bar_ptr=bar)
                 state.advance()
+                if cutlass.const_expr(self.own_do_ring):
+                    do_state.advance()
 
     @cute.jit
     def q_blocks(self, g: BwdGlobals, tile: WorkTile, head, block_range: BlockRange, seqlen: SeqlenInfo):
@@ -653,6 +672,9 @@ class FlashBwdSm90:
 
         pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        do_state = None  # dO's stage is Q's; else its own ring's state (as produce's)
+        if cutlass.const_expr(self.own_do_ring):
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
         step = (n_block, ops, layouts, smem, pipes, score.scale_log2, score.softcap_pre, tidx)
         # dK and dV sum over the group's query heads right here, in the accumulators
         for i in cutlass.range(group, unroll=1):
@@ -676,22 +698,32 @@ class FlashBwdSm90:
                 # ones (never the KV tile cut by seqlen_k, block_mask.py) none
                 blocks, _, count = self.q_blocks(g, tile, head_kv * group + i, block_range, seqlen)
                 for j in cutlass.range(blocks.num_partial, unroll=1):
-                    self.step(blocks.block(j), state, *step, mods, mods, dropout, dq_dest, masked=True)
+                    self.step(blocks.block(j), state, do_state, *step, mods, mods, dropout, dq_dest, masked=True)
                     state.advance()
+                    if cutlass.const_expr(self.own_do_ring):
+                        do_state.advance()
                 for j in cutlass.range(blocks.num_partial, count, unroll=1):
-                    self.step(blocks.block(j), state, *step, mods, mods, dropout, dq_dest, masked=False)
+                    self.step(blocks.block(j), state, do_state, *step, mods, mods, dropout, dq_dest, masked=False)
                     state.advance()
+                    if cutlass.const_expr(self.own_do_ring):
+                        do_state.advance()
             else:
                 for m_block in cutlass.range(m_block_min, right_end, unroll=1):
-                    self.step(m_block, state, *step, mask, mods, dropout, dq_dest, masked=True)
+                    self.step(m_block, state, do_state, *step, mask, mods, dropout, dq_dest, masked=True)
                     state.advance()
+                    if cutlass.const_expr(self.own_do_ring):
+                        do_state.advance()
                 for m_block in cutlass.range(right_end, left_start, unroll=1):
-                    self.step(m_block, state, *step, mask, mods, dropout, dq_dest, masked=False)
+                    self.step(m_block, state, do_state, *step, mask, mods, dropout, dq_dest, masked=False)
                     state.advance()
+                    if cutlass.const_expr(self.own_do_ring):
+                        do_state.advance()
                 if cutlass.const_expr(window.has_left):
                     for m_block in cutlass.range(left_start, m_block_max, unroll=1):
-                        self.step(m_block, state, *step, mask, mods, dropout, dq_dest, masked=True)
+                        self.step(m_block, state, do_state, *step, mask, mods, dropout, dq_dest, masked=True)
                         state.advance()
+                        if cutlass.const_expr(self.own_do_ring):
+                            do_state.advance()
 
         # Epilogue: dV and dK leave through sV and sK, which every warpgroup must be done
         # reading (its last dP and dQ WGMMAs) before they are overwritten.
@@ -716,7 +748,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def step(
-        self, m_block, state, n_block, ops: StepOperands, layouts: BwdLayouts, smem: BwdSmem,
+        self, m_block, state, do_state, n_block, ops: StepOperands, layouts: BwdLayouts, smem: BwdSmem,
         pipes: BwdPipelines, scale_log2, softcap_pre, tidx, mask, mods, dropout, dq_dest,
         masked: cutlass.Constexpr[bool],
     ):
@@ -730,7 +762,8 @@ class FlashBwdSm90:
         wg_mma_sdp = tiled_mma_sdp.get_slice(wg_first_thread)
         wg_mma_dq = tiled_mma_dq.get_slice(wg_first_thread if self.dq_wgs > 1 else 0)
         thr_mma_sdp = tiled_mma_sdp.get_slice(tidx)
-        stage = state.index
+        do_ring = state if cutlass.const_expr(do_state is None) else do_state  # BwdConfig.do_stages
+        stage, do_stage = state.index, do_ring.index
         acc_shape = wg_mma_sdp.partition_shape_C((self.tile_n, self.tile_m))
 
         # per-query statistics of this thread's columns, read from smem where used
@@ -738,15 +771,15 @@ class FlashBwdSm90:
         cols = mma_sm90.acc_as_rows_cols(tScS)
         num_cols = cute.size(cols.shape[1])
         lse2 = ColumnStat(smem.lse2, cols, stage)
-        dsum = ColumnStat(smem.dsum, cols, stage)
+        dsum = ColumnStat(smem.dsum, cols, do_stage)
 
         # S^T and dP^T in flight together
         acc_S = cute.make_rmem_tensor(acc_shape, Float32)
         acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
         pipes.q.consumer_wait(state)
         mma_sm90.gemm(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait_groups=-1)
-        pipes.do.consumer_wait(state)
-        mma_sm90.gemm(tiled_mma_sdp, acc_dP, ops.tdPrV, ops.tdPrdO[None, None, None, stage], zero_init=True, wait_groups=-1)
+        pipes.do.consumer_wait(do_ring)
+        mma_sm90.gemm(tiled_mma_sdp, acc_dP, ops.tdPrV, ops.tdPrdO[None, None, None, do_stage], zero_init=True, wait_groups=-1)
 
         P = mma_sm90.acc_as_rows_cols(acc_S)
         dS = mma_sm90.acc_as_rows_cols(acc_dP)
@@ -826,9 +859,9 @@ class FlashBwdSm90:
             epilogue.regs_to_smem(rdS, smem.ds, tiled_mma_sdp, tidx)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=self.num_mma_threads)
-            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, ops.tdVrP, ops.tdVrdO[None, None, None, stage], wait_groups=-1)
+            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, ops.tdVrP, ops.tdVrdO[None, None, None, do_stage], wait_groups=-1)
         else:
-            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, mma_sm90.acc_as_operand_a(rP), ops.tdVrdO[None, None, None, stage], wait_groups=-1)
+            mma_sm90.gemm(tiled_mma_dkv, ops.acc_dV, mma_sm90.acc_as_operand_a(rP), ops.tdVrdO[None, None, None, do_stage], wait_groups=-1)
             if cutlass.const_expr(not dk_after_dq):
                 self.mma_dk(ops, tiled_mma_dkv, rdS, stage)
 
@@ -857,6 +890,10 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.split_d):
                 mma_sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, ops.tdQrK, zero_init=True, wait_groups=-1)
                 mma_sm90.gemm(tiled_mma_dkv, ops.acc_dK, ops.tdKrdS, ops.tdKrQ[None, None, None, stage], wait_groups=1)
+                if cutlass.const_expr(self.own_do_ring):
+                    # dV's WGMMA (dO's last reader) retired, D was read for dS^T: the next
+                    # block's dO loads under dK's WGMMA and the dQ reduction
+                    release_after_loads((pipes.do, do_ring))
             elif cutlass.const_expr(self.dq_swapped and self.dq_order == "after_dkv"):
                 # dV and dK have read P^T and dS^T before dQ^T's accumulator is live: with
                 # P^T, dS^T (20 registers each at 80 queries), dK, dV (128) and dQ^T (40)
@@ -896,7 +933,10 @@ class FlashBwdSm90:
             warpgroup.wait_group(0)
         # every WGMMA reading this stage's Q and dO has completed, and this thread's loads
         # of its LSE2 and D are done (release_after_loads says why it syncs the warp)
-        release_after_loads(state, pipes.q, pipes.do)
+        if cutlass.const_expr(self.own_do_ring):
+            release_after_loads((pipes.q, state))
+        else:
+            release_after_loads((pipes.q, state), (pipes.do, do_ring))
         if cutlass.const_expr(not self.dq_atomic):
             own = self.dq_handoff(wg_idx if cutlass.const_expr(self.dq_handoff_per_wg) else 0)
             cute.arch.barrier_arrive(barrier_id=own.full, number_of_threads=own.threads)
