@@ -637,3 +637,30 @@ def test_decode_published_points_are_the_grids_points_with_a_cudnn_figure():
     assert points == [(1, 1, 32768), (1, 1, 131072), (128, 1, 2048), (128, 1, 8192), (128, 1, 32768),
                       (128, 1, 131072)], points
     assert module.published_gbs(1, 8, 32768) is None and module.published_gbs(128, 1, 2048) == 4500
+
+
+def test_bwd_cta_clocks_instruments_the_backward_without_spilling(monkeypatch):
+    """perf/bwd_cta_clocks.py: the wrapped producer, consumer and step compile into the
+    hd-64 causal backward with their clock reads and stores (two step bodies: a first-step
+    and a last-step read of %globaltimer each), spill-free; the originals come back after."""
+    import re
+
+    from cute_attn import launcher, ptx as ptx_tool
+    from cute_attn.config import AttnFeatures, bwd_config_for
+    from cute_attn.kernels import bwd_sm90
+
+    spec = importlib.util.spec_from_file_location("perf_bwd_cta_clocks", PERF / "bwd_cta_clocks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("produce", "consume", "step"):
+        monkeypatch.setattr(bwd_sm90.FlashBwdSm90, name, getattr(bwd_sm90.FlashBwdSm90, name))
+    monkeypatch.setenv("CUTE_ATTN_CACHE", "0")
+    module.instrument(0x7F0000000000)
+    features = AttnFeatures(mask="causal")
+    key = launcher.BwdKey("bf16", 64, features, bwd_config_for(64, features, max_seqlen_q=512))
+    text = launcher.compile_bwd(key, "--keep-ptx")[1].__ptx__
+    assert text.count("%globaltimer") == 7 and text.count("st.global.u64") == 8 and "%smid" in text
+    report = ptx_tool.ptxas_report(text)
+    if "ptxas not found" not in report:
+        m = re.search(r"(\d+) bytes spill stores", report)
+        assert m and int(m.group(1)) == 0, report
