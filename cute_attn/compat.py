@@ -223,6 +223,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         cache_seqlens = cache_seqlens.contiguous()
     if isinstance(block_table, Tensor):
         block_table = block_table.contiguous()
+    # FlashAttention's defaults written out ((-1, -1), softcap 0) as mha_with_kvcache's
+    # own, which its decode fast path tests by identity (vLLM-style callers pass them)
+    window_size = _NO_WINDOW if _is_default_window(window_size) else window_size
+    softcap = 0.0 if _is_default_softcap(softcap) else softcap
     return mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=block_table,
                             causal=causal, window_size=window_size, softcap=softcap,
                             softmax_scale=softmax_scale, num_splits=num_splits,
@@ -370,14 +374,28 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
     return out.transpose(1, 2)
 
 
+def _is_default_window(window_size) -> bool:
+    """FlashAttention's no-window default, as given or written out: (-1, -1) of two ints
+    (a tuple or a list; bools are not ints here, validation refuses them)."""
+    return window_size is _NO_WINDOW or (
+        isinstance(window_size, (tuple, list)) and len(window_size) == 2
+        and all(type(w) is int and w == -1 for w in window_size))
+
+
+def _is_default_softcap(softcap) -> bool:
+    """softcap off: 0.0, or 0 written as an int (FlashAttention callers pass either)."""
+    return type(softcap) in (float, int) and softcap == 0
+
+
 def _set_options(window_size, softcap, dropout_p) -> dict:
     """The options of mha that differ from its defaults: a call that passes none takes
     mha's signature fast path (api.mha: one empty **options test), so a default must not be
-    passed explicitly. What is passed is passed unchanged, for mha's own checks."""
+    passed explicitly, nor FlashAttention's defaults written out ((-1, -1), softcap 0).
+    What is passed is passed unchanged, for mha's own checks."""
     options = {}
-    if window_size is not _NO_WINDOW:
+    if not _is_default_window(window_size):
         options["window_size"] = window_size
-    if not (type(softcap) is float and softcap == 0.0):
+    if not _is_default_softcap(softcap):
         options["softcap"] = softcap
     if not (type(dropout_p) is float and dropout_p == 0.0):
         options["dropout_p"] = dropout_p

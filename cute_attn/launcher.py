@@ -1106,6 +1106,9 @@ def run_append(k, v, k_cache, v_cache, cache_seqlens, page_table=None):
             AppendKey(DTYPE_OF_INPUT[k.dtype].name, k.shape[3], paged)))
     new_lengths = torch.empty_like(cache_seqlens)
     fn(k, v, k_cache, v_cache, cache_seqlens, page_table if paged else _unused_page_table(k.device), new_lengths)
+    # the kernel wrote the caches behind autograd's back: a graph that saved one for its
+    # backward now raises torch's in-place error there instead of using the new values
+    torch.autograd.graph.increment_version((k_cache, v_cache))
     return new_lengths
 
 

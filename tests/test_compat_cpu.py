@@ -566,3 +566,33 @@ def test_plain_drop_in_calls_take_mhas_fast_path(monkeypatch):
     with pytest.raises(ValueError, match="is on cpu"):
         cute_attn.flash_attn_func(q, k, v, window_size=(2, 0))
     assert len(answered) == 2
+
+
+def test_flash_attention_defaults_written_out_keep_the_fast_paths(monkeypatch):
+    """vLLM-style callers write FlashAttention's defaults out: window_size=(-1, -1) (a tuple
+    or a list), softcap=0 (an int). They mean no window and no softcap, so flash_attn_func
+    passes mha no option (mha's signature fast path needs none) and flash_attn_with_kvcache
+    hands mha_with_kvcache its own defaults (its decode fast path tests them by identity).
+    A real window or cap still goes through, unchanged."""
+    import cute_attn.compat as compat
+    import cute_attn.kvcache as kvcache
+    from cute_attn.api import _NO_WINDOW
+
+    seen = []
+    monkeypatch.setattr(compat, "mha", lambda q, k, v, **kw: seen.append(kw) or torch.zeros_like(q))
+    q = torch.zeros(1, 4, 2, 64)
+    for written_out in (dict(window_size=(-1, -1), softcap=0), dict(window_size=[-1, -1], softcap=0.0), {}):
+        cute_attn.flash_attn_func(q, q, q, **written_out)
+    cute_attn.flash_attn_func(q, q, q, window_size=(8, -1), softcap=30)
+    assert [set(kw) - {"causal", "softmax_scale", "deterministic", "return_lse"} for kw in seen] == [set()] * 3 + [
+        {"window_size", "softcap"}]
+    assert seen[3]["window_size"] == (8, -1) and seen[3]["softcap"] == 30
+
+    got = []
+    monkeypatch.setattr(kvcache, "mha_with_kvcache", lambda *a, **kw: got.append(kw) or a[0])
+    lengths = torch.zeros(1, dtype=torch.int32)
+    cache = torch.zeros(1, 16, 2, 64)
+    cute_attn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths, window_size=(-1, -1), softcap=0)
+    cute_attn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths, window_size=(3, 0), softcap=5)
+    assert got[0]["window_size"] is _NO_WINDOW and type(got[0]["softcap"]) is float and got[0]["softcap"] == 0.0
+    assert got[1]["window_size"] == (3, 0) and got[1]["softcap"] == 5

@@ -430,6 +430,21 @@ def test_lse_combine_compiles(out_dtype):
     assert ("st.global.v4.b32" if out_dtype == "float32" else "st.global.v2.b32") in ptx
 
 
+@pytest.mark.parametrize("head_dim", CAPABILITIES["fwd"].head_dims)
+def test_kv_append_takes_every_forward_head_dim_in_whole_tokens(head_dim):
+    """mha_with_kvcache appends at every head dim the forward takes: a CTA covers whole
+    tokens (head_dim / 8 threads each), 128 threads or fewer (96 and 192: 120), and the
+    paged kernel compiles there too (96 and 192 failed an assert before session 32)."""
+    from cute_attn import launcher
+    from cute_attn.config import DTYPES
+    from cute_attn.kernels.kv_append import MAX_THREADS, KVAppend
+
+    append = KVAppend(DTYPES["bf16"], head_dim, paged=True)
+    per_token = head_dim // 8
+    assert append.threads == append.tokens_per_cta * per_token and MAX_THREADS - per_token < append.threads <= MAX_THREADS
+    assert ".target sm_90a" in launcher.compile_append(launcher.AppendKey("bf16", head_dim, True), "--keep-ptx").__ptx__
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_kv_append_compiles(dtype, paged):

@@ -431,3 +431,21 @@ def test_check_inputs_on_fake_tensors_is_a_clear_error(launcher):
         q, k_cache, v_cache, k, v, lengths = (mode.from_tensor(t) for t in tensors)
         with pytest.raises(ValueError, match="check_inputs=True reads cache_seqlens .* fake tensors"):
             cute_attn.mha_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, check_inputs=True)
+
+
+def test_the_append_bumps_the_caches_version_counters(monkeypatch):
+    """run_append writes the caches through raw pointers: it bumps their version counters
+    so that an autograd graph that saved a cache raises torch's in-place error in its
+    backward instead of using the appended values silently."""
+    from cute_attn import launcher as real_launcher
+
+    q, k_cache, v_cache, k, v = _inputs()
+    monkeypatch.setitem(real_launcher._append_kernels, (k.dtype, k.shape[3], False), lambda *args: None)
+    monkeypatch.setattr(real_launcher, "_unused_page_table", lambda device: None)
+    w = torch.ones_like(k_cache, requires_grad=True)
+    loss = (w * k_cache).sum()  # saves k_cache for w's gradient
+    before = (k_cache._version, v_cache._version)
+    real_launcher.run_append(k, v, k_cache, v_cache, torch.zeros(3, dtype=torch.int32))
+    assert (k_cache._version, v_cache._version) == (before[0] + 1, before[1] + 1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

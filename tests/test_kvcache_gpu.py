@@ -53,6 +53,10 @@ CASES = [
     (3, 2, 1500, 32, 8, 256, 2, (1, 700, 1498), dict()),
     (1, 1, 65536, 32, 8, 128, 1, (65000,), dict(causal=True)),
     (2, 1, 3000, 64, 8, 64, 1, (2999, 1500), dict(causal=True)),  # config.split_decode_config's tile
+    # head dims whose 16-byte chunks per token (12, 24) do not divide 128 threads: the
+    # append's CTAs take 120 (session 32: they failed an assert before)
+    (2, 3, 2000, 16, 4, 96, 3, (0, 1995), dict(causal=True)),
+    (2, 1, 2000, 16, 2, 192, 1, (1999, 640), dict(causal=True)),
 ]
 
 
@@ -284,7 +288,7 @@ def _append_destinations(lengths, seqlen_new, capacity, table, page_size, num_pa
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d, seqlen_new, page_size", [(128, 1, 0), (64, 5, 0), (256, 3, 0), (128, 1, 16),
-                                                      (128, 7, 64), (64, 2, 256)])
+                                                      (128, 7, 64), (64, 2, 256), (96, 11, 0), (192, 6, 16)])
 def test_append_kernel_clamps_bad_values_into_the_cache(d, seqlen_new, page_size, dtype):
     """kernels/kv_append.py on lengths that are negative, 0, mid, near and past the
     capacity and (paged) page indices that are negative or past the pool: every token

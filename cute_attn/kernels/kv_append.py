@@ -11,9 +11,10 @@ min(clamp(cache_seqlens[b], 0, capacity) + seqlen_new, capacity), go to new_leng
 the attention that follows reads them on the device (AttnFeatures.kv_lengths).
 
 Memory-bound and tiny (a decode step moves batch x heads_kv x head_dim x 4 bytes): each
-thread copies one 16-byte chunk of K and of V; a CTA covers THREADS / (head_dim / 8)
-tokens of one KV head of one entry (the work tile of blocks/tile_scheduler.py: block =
-token block, head, batch). The reference is kvcache_reference.append_in_place.
+thread copies one 16-byte chunk of K and of V; a CTA covers MAX_THREADS // (head_dim / 8)
+whole tokens of one KV head of one entry (the work tile of blocks/tile_scheduler.py: block
+= token block, head, batch), with as many threads as those tokens' chunks (120 at head
+dims 96 and 192, whose 12 and 24 chunks per token do not divide 128). The reference is kvcache_reference.append_in_place.
 Read the PTX without a GPU: tests/test_compile.py::test_kv_append_compiles.
 """
 
@@ -25,7 +26,7 @@ from cute_attn.blocks.tile_scheduler import TileScheduler
 from cute_attn.blocks.views import bshd_as_sdhb
 from cute_attn.config import DtypePolicy
 
-THREADS = 128
+MAX_THREADS = 128
 
 
 class KVAppend:
@@ -34,8 +35,9 @@ class KVAppend:
         self.head_dim = head_dim
         self.paged = paged
         self.vec = dtypes.align_elems  # elements per 16-byte chunk
-        assert head_dim % self.vec == 0 and THREADS % (head_dim // self.vec) == 0
-        self.tokens_per_cta = THREADS // (head_dim // self.vec)
+        assert head_dim % self.vec == 0 and head_dim // self.vec <= MAX_THREADS
+        self.tokens_per_cta = MAX_THREADS // (head_dim // self.vec)
+        self.threads = self.tokens_per_cta * (head_dim // self.vec)  # whole tokens per CTA
         self.scheduler = TileScheduler(self.tokens_per_cta, varlen=False)
 
     @cute.jit
@@ -52,7 +54,7 @@ class KVAppend:
     ):
         grid = self.scheduler.grid(bshd_as_sdhb(mK), mCacheSeqlens, Int32(0))
         self.kernel(mK, mV, mKCache, mVCache, mCacheSeqlens, mPageTable, mNewLengths).launch(
-            grid=grid, block=[THREADS, 1, 1], stream=stream
+            grid=grid, block=[self.threads, 1, 1], stream=stream
         )
 
     @cute.kernel
