@@ -16,6 +16,7 @@ from cute_attn.bounded_cache import remember
 from cute_attn.config import CAUSAL, DENSE, DTYPE_OF_INPUT, FP8, FP8_POLICY_OF_OUTPUT, UNBOUNDED, AttnFeatures, RunArgs, attn_features
 from cute_attn.validation import (
     _is_compiling,
+    memory_problem,
     pointer_unknown,
     prepare_dout,
     validate_flags,
@@ -368,7 +369,12 @@ def _checked_sink(sink, q):
         raise TypeError(f"learnable_sink must be float32, bfloat16 or float16, got {sink.dtype}")
     if sink.device != q.device:
         raise ValueError(f"learnable_sink is on {sink.device}, q on {q.device}")
-    return sink.float().contiguous()
+    # (a negative-bit view is resolved, differentiably; a wrapper subclass has no memory)
+    sink = sink.float().contiguous().resolve_neg()
+    problem = memory_problem("learnable_sink", sink)
+    if problem:
+        raise ValueError(problem)
+    return sink
 
 
 def _checked_fp8_sink(sink, q):

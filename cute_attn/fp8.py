@@ -42,7 +42,7 @@ import numbers
 import torch
 
 from cute_attn.reference import visible_keys
-from cute_attn.validation import validate_gqa_heads, validate_softcap
+from cute_attn.validation import _is_compiling, validate_gqa_heads, validate_softcap
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)  # None in torch builds without FP8
 E4M3_MAX = 448.0  # largest finite e4m3fn value (1.75 * 2^8); the format has no inf
@@ -84,12 +84,23 @@ def _check_inputs(q, k, v, want_fp8):
     return validate_gqa_heads(q, k, v)
 
 
-def _amax_per_kv_head(name, x, nheads_kv):
+def _check_finite(amaxes):
+    """ValueError naming the first of q, k, v whose amax is not finite (an inf or NaN
+    input: amax propagates NaN, and an inf is its own amax). One host read for the three;
+    skipped while a CUDA graph captures or torch.compile traces (no host read there: a
+    non-finite input then gives non-finite outputs, as any torch op would)."""
+    if _is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    finite = torch.stack([torch.isfinite(a).all() for a in amaxes]).tolist()
+    for name, ok in zip(_NAMES, finite):
+        if not ok:
+            raise ValueError(f"{name} has non-finite values (inf or NaN): FP8 scales need finite inputs")
+
+
+def _amax_per_kv_head(x, nheads_kv):
     """|x|.max() per (batch, kv head): (batch, nheads_kv) float32. With more heads than
     nheads_kv (q under GQA), the max runs over each group of heads that share a kv head."""
     b, s, h, d = x.shape
-    if not torch.isfinite(x).all():
-        raise ValueError(f"{name} has non-finite values (inf or NaN): FP8 scales need finite inputs")
     grouped = x.reshape(b, s, nheads_kv, h // max(nheads_kv, 1), d)
     if grouped.numel() == 0:
         return torch.zeros(b, nheads_kv, dtype=torch.float32, device=x.device)
@@ -153,6 +164,8 @@ def quantize_fp8(q, k, v, *, per="head", rotate=False):
     A nonzero slice with amax below 448 * 2^-126 is scaled as if its amax were that, so
     the scale and the descale stay normal float32. Non-finite input raises ValueError
     naming the tensor: an inf amax would make every other value 0, a NaN poisons the scale.
+    That check is one host read of the three amaxes (a sync), skipped while a CUDA graph
+    captures or torch.compile traces, where the call then has no host read at all.
 
     Accuracy: each element is rounded once to e4m3 (3 mantissa bits): relative error at
     most 2^-4 for values above amax * 2^-6 / 448, absolute error at most
@@ -177,9 +190,10 @@ def quantize_fp8(q, k, v, *, per="head", rotate=False):
         h = hadamard(q.shape[-1], q.device)
         q, k = q.float() @ h, k.float() @ h
     nheads_kv = k.shape[2]
+    amaxes = [_amax_per_kv_head(x, nheads_kv) for x in (q, k, v)]
+    _check_finite(amaxes)
     quantised, descales = [], []
-    for name, x in zip(_NAMES, (q, k, v)):
-        amax = _amax_per_kv_head(name, x, nheads_kv)
+    for x, amax in zip((q, k, v), amaxes):
         if per == "tensor":
             amax = amax.amax().expand_as(amax) if amax.numel() else amax
         scale, descale = _descale_from_amax(amax)

@@ -268,15 +268,32 @@ def _check_operands(tensors, policy, softmax_scale, softcap=0.0, **other_tensors
     _check_devices({**tensors, **other_tensors})
 
 
-def _layout_problem(name, t, policy):
-    """What keeps t from being a TMA operand of the policy's dtype (None: nothing). TMA
-    descriptors need the last dim contiguous, every other stride a multiple of align_bytes
-    (align_elems elements of the dtype), and the base address aligned to align_bytes."""
+def memory_problem(name, t):
+    """What keeps any tensor a kernel reads through its address (an operand, a descale, a
+    sink) from holding its values there (None: nothing): a negative-bit view or a wrapper
+    subclass without storage."""
     if not _is_compiling() and t.is_neg():
         # a lazily negated view (torch._neg_view, the .imag of a conjugated complex tensor):
         # its memory holds the values' negation, which a kernel reading it would take as is
         # (traced calls reach the kernel through a custom op, whose dispatch resolves it)
         return f"{name} is a negative-bit view (its memory holds -{name}); call .resolve_neg()"
+    if not pointer_unknown(t) and not t.data_ptr() and t.numel():
+        # a wrapper subclass (DTensor, or any _make_wrapper_subclass tensor) has no storage:
+        # its address reads 0, which passes the alignment test below and would be launched
+        return (f"{name} has no memory of its own (data pointer 0 for {t.numel()} elements): "
+                f"a wrapper tensor subclass ({type(t).__name__}, such as a DTensor) keeps its "
+                "data in inner tensors, which the kernels cannot read; pass a plain tensor "
+                "(a DTensor's .to_local())")
+    return None
+
+
+def _layout_problem(name, t, policy):
+    """What keeps t from being a TMA operand of the policy's dtype (None: nothing). TMA
+    descriptors need the last dim contiguous, every other stride a multiple of align_bytes
+    (align_elems elements of the dtype), and the base address aligned to align_bytes."""
+    problem = memory_problem(name, t)
+    if problem:
+        return problem
     strides = t.stride()
     for dim, (size, stride) in enumerate(zip(t.shape, strides)):
         if stride == 0 and size > 1:
@@ -288,13 +305,6 @@ def _layout_problem(name, t, policy):
         return (f"{name} strides must be multiples of {policy.align_elems} elements "
                 f"({policy.align_bytes} bytes, a TMA requirement), got strides {strides}; "
                 f"{_COPY_HINT}")
-    if not pointer_unknown(t) and not t.data_ptr() and t.numel():
-        # a wrapper subclass (DTensor, or any _make_wrapper_subclass tensor) has no storage:
-        # its address reads 0, which passes the alignment test below and would be launched
-        return (f"{name} has no memory of its own (data pointer 0 for {t.numel()} elements): "
-                f"a wrapper tensor subclass ({type(t).__name__}, such as a DTensor) keeps its "
-                "data in inner tensors, which the kernels cannot read; pass a plain tensor "
-                "(a DTensor's .to_local())")
     if not pointer_unknown(t) and t.data_ptr() % policy.align_bytes:
         return (f"{name} data pointer must be {policy.align_bytes}-byte aligned (a TMA "
                 f"requirement), got address {t.data_ptr():#x} (storage offset "
@@ -482,6 +492,9 @@ def validate_fp8_operands(q, k, v, descales, out_dtype, batch, softmax_scale, so
         if tuple(ds.shape) != (batch, heads_kv):
             raise ValueError(f"{name} must have shape (batch, nheads_kv) = ({batch}, {heads_kv}), "
                              f"got {tuple(ds.shape)}")
+        problem = memory_problem(name, ds)  # the kernel reads descales through their address too
+        if problem:
+            raise ValueError(problem)
     _check_scale(softmax_scale)
     if softcap:
         _check_softcap_scale(softcap, softmax_scale, d)
