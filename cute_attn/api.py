@@ -330,7 +330,7 @@ def with_extras(features: AttnFeatures, mask_mod, score_mod, sink: bool, dropout
 
 def _checked_dropout_p(dropout_p, dropout_seed) -> float:
     """dropout_p as a float in [0, 1), and dropout_seed an int32 (2,) tensor or None."""
-    if dropout_seed is None and dropout_p == 0.0 and type(dropout_p) is float:
+    if dropout_seed is None and type(dropout_p) is float and dropout_p == 0.0:  # (type first: no tensor ==)
         return 0.0  # the common call: nothing more to check on the per-call path
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
@@ -469,8 +469,9 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
             reading both offset tensors to the host (one small copy, which waits for the
             GPU's queued work), once per tensor and version: a model that passes the same
             offsets to every layer pays for the first call only. Skipped while a CUDA
-            graph is being captured. True: the same, an error under capture; False:
-            never. Offsets that break these rules can leave rows of out unwritten or mix
+            graph is being captured. True: read on every call (even when remembered),
+            an error under capture; False: never. In every mode a max_seqlen below
+            total tokens / sequences is refused on the host. Offsets that break these rules can leave rows of out unwritten or mix
             sequences; the kernels clamp each sequence's span into the packed tensors,
             so no access leaves q, k, v, out, lse, the backward's buffers or the mods'
             aux tensors (perf/sanitize.py's varlen-bad-offsets cases). The once-per-version check does not

@@ -94,5 +94,12 @@ def dropout_mask(seed: torch.Tensor, batch: int, heads: int, seqlen_q: int, seql
 
 def new_seed(device) -> torch.Tensor:
     """A call's Philox key, int32 (2,), drawn on the device from torch's generator: no host
-    sync, and under CUDA-graph capture torch advances the generator per replay."""
-    return torch.randint(-2 ** 31, 2 ** 31 - 1, (2,), dtype=torch.int32, device=device)
+    sync, and under CUDA-graph capture torch advances the generator per replay.
+
+    Drawn by rand_like, not randint: torch.compile's partitioner never recomputes rand_like
+    in the backward graph, while under activation_memory_budget or aggressive_recomputation
+    it recomputed randint there, so the backward regenerated another key's mask (silently
+    wrong gradients; session 32's review). 53 random bits of a float64 uniform give the
+    key's 32 per word exactly."""
+    uniform = torch.rand_like(torch.empty(2, dtype=torch.float64, device=device))
+    return (uniform * 2.0 ** 32 - 2.0 ** 31).floor().to(torch.int64).to(torch.int32)

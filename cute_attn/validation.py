@@ -541,17 +541,25 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         policy = _check_dtypes(q, k, v)
         _check_operands(dict(zip(_NAMES, (q, k, v))), policy, softmax_scale, softcap,
                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    if check_cu_seqlens is False:
-        return batch
-    capturing = _capturing_cuda_graph()
-    if check_cu_seqlens and capturing:
-        raise ValueError(
-            "check_cu_seqlens=True reads cu_seqlens on the host, which cannot happen while a "
-            "CUDA graph is being captured; check them before capture and pass "
-            "check_cu_seqlens=False (or None) inside it"
-        )
-    if not capturing:
-        _check_cu_seqlens_once(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if check_cu_seqlens is not False:
+        capturing = _capturing_cuda_graph()
+        if check_cu_seqlens and capturing:
+            raise ValueError(
+                "check_cu_seqlens=True reads cu_seqlens on the host, which cannot happen while a "
+                "CUDA graph is being captured; check them before capture and pass "
+                "check_cu_seqlens=False (or None) inside it"
+            )
+        if not capturing:
+            # True reads them again even when remembered (writes behind the version counter)
+            _check_cu_seqlens_once(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   again=check_cu_seqlens is True)
+    # also where the offsets are not read (capture, check_cu_seqlens=False): some sequence
+    # of batch holding total tokens is at least total / batch long, so a max_seqlen below
+    # that is wrong whatever the offsets (the rows past it would be left unwritten)
+    for name, value, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
+        if batch > 0 and value * batch < total:
+            raise ValueError(f"{name} must be >= the longest sequence: {batch} sequences hold {total} tokens, so "
+                             f"one has at least {-(-total // batch)}; got {value}")
     return batch
 
 
@@ -563,14 +571,17 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 _checked_offsets = WeakIdKeyDictionary()
 
 
-def _check_cu_seqlens_once(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _check_cu_seqlens_once(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, again=False):
+    """check_cu_seqlens_values, unless these tensors were checked at their current version
+    with these totals and maxima (again: check anyway, and remember the result)."""
     if cu_seqlens_q.is_inference() or cu_seqlens_k.is_inference():
-        # inference tensors keep no version counter: nothing to remember them by
+        # inference tensors keep no version counter: nothing to remember them by, so every
+        # call reads them (a sync per call: check_cu_seqlens=False skips it)
         check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return
     states = ((cu_seqlens_q, (cu_seqlens_q._version, q.shape[0], max_seqlen_q)),
               (cu_seqlens_k, (cu_seqlens_k._version, k.shape[0], max_seqlen_k)))
-    if all(_checked_offsets.get(t) == state for t, state in states):
+    if not again and all(_checked_offsets.get(t) == state for t, state in states):
         return
     check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     for t, state in states:

@@ -584,3 +584,34 @@ def test_varlen_stand_in_is_the_reference_per_sequence(stand_in):
         (o[0] * dout[rq]).sum().backward()
     for g, leaf in zip(got, leaves):
         torch.testing.assert_close(g, leaf.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("flag, value", [("aggressive_recomputation", True), ("activation_memory_budget", 0.1)])
+def test_compiled_backward_reuses_the_forward_dropout_key(stand_in, flag, value, monkeypatch):
+    """Under torch.compile with the partitioner told to save memory, the backward graph may
+    recompute forward ops; the call's dropout key must not be one of them (a fresh key
+    there regenerates another mask: gradients for dropout the forward never applied). The
+    key comes from rand_like, which the partitioner never recomputes (randint it did)."""
+    keys = []
+    fwd, bwd = stand_in.run_fwd_mods, stand_in.run_bwd
+
+    def run_fwd_mods(q, k, v, features, args, *rest, **kw):
+        keys.append(("fwd", args.dropout_seed.tolist()))
+        return fwd(q, k, v, features, args, *rest, **kw)
+
+    def run_bwd(dout, q, k, v, out, lse, features, args, *rest, **kw):
+        keys.append(("bwd", args.dropout_seed.tolist()))
+        return bwd(dout, q, k, v, out, lse, features, args, *rest, **kw)
+
+    stand_in.run_fwd_mods, stand_in.run_bwd = run_fwd_mods, run_bwd
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._functorch.config, flag, value)
+    try:
+        f = torch.compile(lambda q, k, v: api.mha(q, k, v, causal=True, dropout_p=0.2), backend="aot_eager",
+                          fullgraph=True)
+        q, k, v = (t.requires_grad_() for t in _qkv(1, 24, 2, 2, dtype=torch.bfloat16))
+        f(q, k, v).float().sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert keys[0][0] == "fwd" and keys[-1][0] == "bwd"
+    assert all(key == keys[0][1] for _, key in keys), keys

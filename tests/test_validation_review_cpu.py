@@ -289,3 +289,34 @@ def test_grad_inputs_under_no_grad_and_inference_mode_launch_plain(monkeypatch):
             out = cute_attn.mha(q, q, q)  # aliased inputs too (self-attention on one tensor)
         assert out.grad_fn is None
     assert launched == [False, False]
+
+
+def test_check_cu_seqlens_true_reads_the_offsets_again(monkeypatch):
+    """check_cu_seqlens=True is the way to catch offsets rewritten behind torch's version
+    counter (through .data, or by a kernel): it must read them even when this tensor, at
+    this version, was checked before."""
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    q, k, v = (fake_cuda(torch.randn(10, 2, 64, dtype=torch.bfloat16)) for _ in range(3))
+    cu = fake_cuda(torch.tensor([0, 5, 10], dtype=torch.int32))
+    validation.validate_varlen_fwd_inputs(q, k, v, cu, cu, 5, 5, None, None)
+    cu.data[1] = 99  # no version bump
+    validation.validate_varlen_fwd_inputs(q, k, v, cu, cu, 5, 5, None, None)  # remembered: not read
+    with pytest.raises(ValueError, match="non-decreasing"):
+        validation.validate_varlen_fwd_inputs(q, k, v, cu, cu, 5, 5, None, True)
+
+
+@pytest.mark.parametrize("check", [False, None])
+def test_a_max_seqlen_below_total_over_batch_is_refused_without_reading_offsets(monkeypatch, check):
+    """10 tokens in 2 sequences: one is at least 5 long, so max_seqlen_q 4 (or 0) is wrong
+    whatever the offsets; refused on the host even when the offsets are not read (under
+    capture, or check_cu_seqlens=False), where it would leave rows of out unwritten."""
+    monkeypatch.setattr(validation, "_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(validation, "_capturing_cuda_graph", lambda: True)
+    q, k, v = (fake_cuda(torch.randn(10, 2, 64, dtype=torch.bfloat16)) for _ in range(3))
+    cu = fake_cuda(torch.tensor([0, 5, 10], dtype=torch.int32))
+    validation.validate_varlen_fwd_inputs(q, k, v, cu, cu, 5, 5, None, check)
+    for bad in (dict(max_seqlen_q=4), dict(max_seqlen_k=0)):
+        args = {"max_seqlen_q": 5, "max_seqlen_k": 5, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            validation.validate_varlen_fwd_inputs(q, k, v, cu, cu, args["max_seqlen_q"], args["max_seqlen_k"],
+                                                  None, check)
