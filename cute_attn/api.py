@@ -9,6 +9,7 @@ from typing import Callable, Literal, Optional, Sequence, Union, overload
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import once_differentiable
 
 from cute_attn.block_mask import BlockMask
@@ -141,6 +142,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale:
 
     Raises TypeError/ValueError naming the bad argument before any kernel runs.
     """
+    if _forward_ad._current_level >= 0 or _functorch_active():
+        _refuse_transforms(q, k, v, *options.values())
     # The plain call (16-bit tensors, causal or not, no option of the other fourteen) of a
     # signature seen before: one dict lookup replaces the checks and plans (_PlainCall).
     # The options come as **options so that "nothing else set" is one empty-dict test, not
@@ -160,6 +163,21 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale:
             return call(q, k, v, return_lse, deterministic)
     return _mha(q, k, v, plain, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                 deterministic=deterministic, **options)
+
+
+# (aliased: the check runs on every call, fast path included, ~60 ns)
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _refuse_transforms(*tensors):
+    """torch.func transforms and forward-mode AD reach no kernel: a functorch wrapper has
+    no memory to read, and a dual tensor's tangent would be dropped (a silent zero jvp)."""
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError("cute_attn has no torch.func support (grad, vmap, jvp, jacrev, ...): "
+                                  "differentiate with torch.autograd (loss.backward(), torch.autograd.grad)")
+    if any(isinstance(t, Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError("forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported: "
+                                  "the kernels would drop the tangent")
 
 
 def _plain_signature(q, k, v, causal, softmax_scale):
@@ -512,6 +530,8 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     The kernels take cu_seqlens and max_seqlen at run time: a new batch of lengths
     never recompiles.
     """
+    if _forward_ad._current_level >= 0 or _functorch_active():
+        _refuse_transforms(q, k, v, learnable_sink, q_descale, k_descale, v_descale)
     causal, return_lse, deterministic = _checked_flags(causal, return_lse, deterministic)
     window, softcap = _window_and_softcap(window_size, softcap)
     dropout_p = _checked_dropout_p(dropout_p, dropout_seed)

@@ -12,6 +12,7 @@ producer assembles each KV block from TMA boxes of one page each (FwdConfig.page
 
 from typing import Optional, Union
 
+import torch
 from torch import Tensor
 
 from cute_attn import api
@@ -56,6 +57,8 @@ def mha_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
 
     Returns out (batch, seqlen_q, nheads, headdim) like q, or (out, lse).
     """
+    if api._forward_ad._current_level >= 0 or api._functorch_active():
+        api._refuse_transforms(q, k_cache, v_cache, k, v)
     # a decode step whose signature was seen before: one dict lookup replaces the checks
     # and the plans (_DecodeStep)
     plain = not api._is_compiling() and check_inputs is False and window_size is api._NO_WINDOW \

@@ -133,3 +133,26 @@ def test_window_and_softcap_reach_the_backward(fake, kwargs, expected):
     torch.testing.assert_close(out, o_ref)
     for g, g_ref in zip((q.grad, k.grad, v.grad), (q_ref.grad, k_ref.grad, v_ref.grad)):
         torch.testing.assert_close(g, g_ref)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_forward_mode_ad_is_refused_not_dropped(fake, requires_grad):
+    """A dual tensor's tangent never reaches the kernels (they read memory): refused, never
+    a silent zero jvp (without requires_grad the call used to return out with no tangent)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = _inputs(requires_grad=requires_grad)
+    with fwAD.dual_level():
+        qd = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="forward-mode"):
+            cute_attn.mha(qd, k, v)
+
+
+def test_torch_func_transforms_are_refused_clearly(fake):
+    """torch.func.grad / vmap wrap tensors without storage: a clear NotImplementedError,
+    not 'Cannot access data pointer of Tensor that doesn't have storage'."""
+    q, k, v = _inputs(requires_grad=False)
+    with pytest.raises(NotImplementedError, match="torch.func"):
+        torch.func.grad(lambda q: cute_attn.mha(q, k, v).sum())(q)
+    with pytest.raises(NotImplementedError, match="torch.func"):
+        torch.vmap(lambda q: cute_attn.mha(q[None], k[:1], v[:1])[0])(q)
