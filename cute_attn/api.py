@@ -91,7 +91,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale:
             softmax_scale / softcap must be a normal, finite float32 too.
         return_lse: (bool) also return the log-sum-exp of each row (not differentiable).
         deterministic: (bool) make the backward's dQ accumulation order fixed, so
-            gradients are bit-identical run to run.
+            gradients are bit-identical run to run. On as well under
+            torch.use_deterministic_algorithms(True).
         q_descale, k_descale, v_descale: FP8 only. With q, k, v in torch.float8_e4m3fn
             (cute_attn.quantize_fp8 makes them), float32 (batch, nheads_kv) factors,
             FlashAttention-3's convention: the real value is the stored value times its
@@ -245,7 +246,8 @@ class _PlainCall:
 
     def __call__(self, q, k, v, return_lse, deterministic):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            settings = _AttentionSettings(self.features, self.run_args, deterministic)
+            settings = _AttentionSettings(self.features, self.run_args,
+                                          deterministic or _deterministic_algorithms())
             out, lse = _AttentionFunction.apply(q, k, v, settings)
         else:
             out, lse = self.launch(q, k, v, return_lse)
@@ -575,11 +577,16 @@ def mha_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
 def _checked_flags(causal, return_lse, deterministic):
     """The three flags as bools. Identity tests against True/False first: the cheapest
     check of the common call; numpy bools and everything else go to validate_flags (a
-    TypeError unless a bool)."""
+    TypeError unless a bool). deterministic is also on under
+    torch.use_deterministic_algorithms(True), as torch's own kernels read it."""
     if (causal is True or causal is False) and (return_lse is True or return_lse is False) \
             and (deterministic is True or deterministic is False):
-        return causal, return_lse, deterministic
-    return validate_flags(causal, return_lse, deterministic)
+        return causal, return_lse, deterministic or _deterministic_algorithms()
+    causal, return_lse, deterministic = validate_flags(causal, return_lse, deterministic)
+    return causal, return_lse, deterministic or _deterministic_algorithms()
+
+
+_deterministic_algorithms = torch.are_deterministic_algorithms_enabled
 
 
 def _window_and_softcap(window_size, softcap):

@@ -156,3 +156,17 @@ def test_torch_func_transforms_are_refused_clearly(fake):
         torch.func.grad(lambda q: cute_attn.mha(q, k, v).sum())(q)
     with pytest.raises(NotImplementedError, match="torch.func"):
         torch.vmap(lambda q: cute_attn.mha(q[None], k[:1], v[:1])[0])(q)
+
+
+def test_use_deterministic_algorithms_makes_the_backward_deterministic(fake, monkeypatch):
+    """torch.use_deterministic_algorithms(True) turns deterministic on for the backward, as
+    torch's own kernels read that flag; both the first call and the signature fast path."""
+    monkeypatch.setattr(api, "_deterministic_algorithms", lambda: True)
+    for _ in range(2):
+        q, k, v = _inputs()
+        cute_attn.mha(q, k, v, causal=True).float().sum().backward()
+    assert [call["deterministic"] for call in fake.bwd_calls] == [True, True]
+    monkeypatch.setattr(api, "_deterministic_algorithms", lambda: False)
+    q, k, v = _inputs()
+    cute_attn.mha(q, k, v, causal=True).float().sum().backward()
+    assert fake.bwd_calls[-1]["deterministic"] is False
