@@ -91,8 +91,8 @@ def mha(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale:
             softmax_scale / softcap must be a normal, finite float32 too.
         return_lse: (bool) also return the log-sum-exp of each row (not differentiable).
         deterministic: (bool) make the backward's dQ accumulation order fixed, so
-            gradients are bit-identical run to run. On as well under
-            torch.use_deterministic_algorithms(True).
+            gradients are bit-identical run to run. On as well when
+            torch.use_deterministic_algorithms(True) is on at this call.
         q_descale, k_descale, v_descale: FP8 only. With q, k, v in torch.float8_e4m3fn
             (cute_attn.quantize_fp8 makes them), float32 (batch, nheads_kv) factors,
             FlashAttention-3's convention: the real value is the stored value times its
@@ -321,8 +321,10 @@ def _run_mods(q, k, v, causal, window, softcap, scale, mask_mod, score_mod, aux_
                                   "pass them detached (or under torch.no_grad())")
     if dropout_p:
         if dropout_seed is None:
-            from cute_attn.dropout import new_seed
+            from cute_attn.dropout import new_seed, refuse_recomputed_draw
 
+            if _is_compiling():
+                refuse_recomputed_draw()
             dropout_seed = new_seed(q.device)
         elif dropout_seed.device != q.device:
             raise ValueError(f"dropout_seed is on {dropout_seed.device}, q on {q.device}")

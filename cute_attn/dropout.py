@@ -97,9 +97,27 @@ def new_seed(device) -> torch.Tensor:
     sync, and under CUDA-graph capture torch advances the generator per replay.
 
     Drawn by rand_like, not randint: torch.compile's partitioner never recomputes rand_like
-    in the backward graph, while under activation_memory_budget or aggressive_recomputation
-    it recomputed randint there, so the backward regenerated another key's mask (silently
-    wrong gradients; session 32's review). 53 random bits of a float64 uniform give the
-    key's 32 per word exactly."""
+    in the backward graph under aot_eager, while under activation_memory_budget or
+    aggressive_recomputation it recomputed randint there, so the backward regenerated
+    another key's mask (silently wrong gradients; session 32's review). Inductor decomposes
+    rand_like into rand, which those settings may recompute too: compiled calls under them
+    must pass dropout_seed (refuse_recomputed_draw). The uniform's bits (53 in eager, 24
+    where inductor draws float32) give the key's words."""
     uniform = torch.rand_like(torch.empty(2, dtype=torch.float64, device=device))
-    return (uniform * 2.0 ** 32 - 2.0 ** 31).floor().to(torch.int64).to(torch.int32)
+    return uniform.mul_(2.0 ** 32).sub_(2.0 ** 31).floor_().to(torch.int32)
+
+
+def refuse_recomputed_draw():
+    """While torch.compile traces a call that would draw its own dropout key: refuse when the
+    partitioner is set to recompute forward ops in the backward (aggressive_recomputation,
+    activation_memory_budget < 1), where the draw itself may be recomputed and the backward
+    would regenerate another mask. An explicit dropout_seed (a graph input) is recomputed
+    to the same key."""
+    import torch._functorch.config as functorch_config
+
+    if functorch_config.aggressive_recomputation or functorch_config.activation_memory_budget < 1.0:
+        raise NotImplementedError(
+            "dropout without a dropout_seed under torch.compile with aggressive_recomputation or "
+            "activation_memory_budget < 1: the backward could redraw the key (another mask); pass "
+            "dropout_seed (an int32 (2,) tensor, e.g. torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, "
+            "device='cuda'), drawn outside the compiled function)")

@@ -783,7 +783,9 @@ _placeholders: dict = {}
 def _placeholder(device, shape):
     """An int32 tensor a kernel takes but this specialisation never reads (the dense
     kernels' cu_seqlens, the unpaged kernels' page table, the non-deterministic
-    backward's semaphore): one per device and shape, so no call allocates or memsets it."""
+    backward's semaphore): one per device and shape, so no call allocates or memsets it,
+    but for calls in a graph capture or a graph tree's warm-up (_keepable), which make
+    their own."""
     t = _placeholders.get((device, shape))
     if t is None:
         t = torch.zeros(shape, dtype=torch.int32, device=device)
@@ -1108,7 +1110,11 @@ def run_append(k, v, k_cache, v_cache, cache_seqlens, page_table=None):
     fn(k, v, k_cache, v_cache, cache_seqlens, page_table if paged else _unused_page_table(k.device), new_lengths)
     # the kernel wrote the caches behind autograd's back: a graph that saved one for its
     # backward now raises torch's in-place error there instead of using the new values
-    torch.autograd.graph.increment_version((k_cache, v_cache))
+    # (one tensor per call: torch 2.4's increment_version takes no tuple; inference
+    # tensors keep no version)
+    for cache in (k_cache, v_cache):
+        if not cache.is_inference():
+            torch.autograd.graph.increment_version(cache)
     return new_lengths
 
 

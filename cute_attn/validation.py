@@ -558,8 +558,9 @@ def validate_varlen_fwd_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     # that is wrong whatever the offsets (the rows past it would be left unwritten)
     for name, value, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
         if batch > 0 and value * batch < total:
-            raise ValueError(f"{name} must be >= the longest sequence: {batch} sequences hold {total} tokens, so "
-                             f"one has at least {-(-total // batch)}; got {value}")
+            raise ValueError(f"{name} must be >= the longest sequence: {batch} sequences hold {total} tokens "
+                             f"(cu_seqlens must end at the packed total: no padding rows), so one has at least "
+                             f"{-(-total // batch)}; got {value}")
     return batch
 
 

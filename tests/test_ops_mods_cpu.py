@@ -586,12 +586,8 @@ def test_varlen_stand_in_is_the_reference_per_sequence(stand_in):
         torch.testing.assert_close(g, leaf.grad, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("flag, value", [("aggressive_recomputation", True), ("activation_memory_budget", 0.1)])
-def test_compiled_backward_reuses_the_forward_dropout_key(stand_in, flag, value, monkeypatch):
-    """Under torch.compile with the partitioner told to save memory, the backward graph may
-    recompute forward ops; the call's dropout key must not be one of them (a fresh key
-    there regenerates another mask: gradients for dropout the forward never applied). The
-    key comes from rand_like, which the partitioner never recomputes (randint it did)."""
+def _record_dropout_keys(stand_in):
+    """The dropout keys the stand-in's forward and backward get, in call order."""
     keys = []
     fwd, bwd = stand_in.run_fwd_mods, stand_in.run_bwd
 
@@ -604,14 +600,41 @@ def test_compiled_backward_reuses_the_forward_dropout_key(stand_in, flag, value,
         return bwd(dout, q, k, v, out, lse, features, args, *rest, **kw)
 
     stand_in.run_fwd_mods, stand_in.run_bwd = run_fwd_mods, run_bwd
+    return keys
+
+
+def _compiled_dropout_backward(seed=None):
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._functorch.config, flag, value)
     try:
-        f = torch.compile(lambda q, k, v: api.mha(q, k, v, causal=True, dropout_p=0.2), backend="aot_eager",
-                          fullgraph=True)
+        f = torch.compile(lambda q, k, v: api.mha(q, k, v, causal=True, dropout_p=0.2, dropout_seed=seed),
+                          backend="aot_eager", fullgraph=True)
         q, k, v = (t.requires_grad_() for t in _qkv(1, 24, 2, 2, dtype=torch.bfloat16))
         f(q, k, v).float().sum().backward()
     finally:
         torch._dynamo.reset()
+
+
+def test_compiled_backward_reuses_the_forward_dropout_key(stand_in):
+    """A compiled call draws its dropout key in the graph, and the backward must use that
+    key, not a second draw (a fresh key regenerates another mask: gradients for dropout
+    the forward never applied). The key comes from rand_like, which aot_eager's partitioner
+    never recomputes."""
+    keys = _record_dropout_keys(stand_in)
+    _compiled_dropout_backward()
     assert keys[0][0] == "fwd" and keys[-1][0] == "bwd"
     assert all(key == keys[0][1] for _, key in keys), keys
+
+
+@pytest.mark.parametrize("flag, value", [("aggressive_recomputation", True), ("activation_memory_budget", 0.1)])
+def test_compiled_dropout_under_recomputation_needs_an_explicit_seed(stand_in, flag, value, monkeypatch):
+    """With the partitioner told to recompute forward ops (these settings recomputed
+    randint, and under inductor rand, in the backward graph: another mask), a call that
+    would draw its own key is refused while tracing; an explicit dropout_seed (a graph
+    input) reaches forward and backward unchanged, recomputed or not."""
+    monkeypatch.setattr(torch._functorch.config, flag, value)
+    with pytest.raises(Exception, match="pass dropout_seed"):
+        _compiled_dropout_backward()
+    keys = _record_dropout_keys(stand_in)
+    seed = torch.tensor([123, -456], dtype=torch.int32)
+    _compiled_dropout_backward(seed)
+    assert keys and all(key == [123, -456] for _, key in keys), keys
