@@ -29,18 +29,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the PTX here instead of stdout")
     p.add_argument("--sass", action="store_true", help="also print SASS (needs cuobjdump)")
     w = sub.add_parser("warmup", help="compile the common specialisations into the on-disk cache")
-    w.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), default=list(warmup.DEFAULT_DTYPES))
+    # (16-bit only: the FP8 forward's configs are fp8_fwd_config_for's, and it has no backward)
+    w.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), default=list(warmup.DEFAULT_DTYPES))
     w.add_argument("--headdim", nargs="+", type=int, choices=CAPABILITIES["fwd"].head_dims,
                    default=list(warmup.DEFAULT_HEAD_DIMS))
     w.add_argument("--mask", nargs="+", choices=MASK_KINDS, default=list(warmup.DEFAULT_MASKS))
     w.add_argument("--softcap", action="store_true", help="the softcap specialisations instead")
     w.add_argument("--no-varlen", action="store_true", help="skip the packed variable-length ones")
     w.add_argument("--no-bwd", action="store_true", help="forward kernels only (inference)")
-    w.add_argument("--gqa-pack", nargs="*", type=int, default=[],
+    w.add_argument("--gqa-pack", nargs="*", type=_positive_int, default=[],
                    help="GQA group sizes whose packed forward (short query sequences) to build too")
     w.add_argument("--decode", action="store_true",
                    help="also the inference kernels: split-KV forwards, mha_with_kvcache's")
-    w.add_argument("--jobs", type=int, default=0, help="parallel compile processes (0: one per CPU, <= 8)")
+    w.add_argument("--jobs", type=_non_negative_int, default=0,
+                   help="parallel compile processes (0: one per CPU, <= 8)")
     w.add_argument("--list", action="store_true", help="print the plan, build nothing")
     t = sub.add_parser("tune", help="time the forward's tile configs on this GPU, keep the winners in its table")
     t.add_argument("--headdim", nargs="+", type=int, choices=CAPABILITIES["fwd"].head_dims, default=[64, 128, 256])
@@ -84,6 +86,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _warmup(args) -> int:
     jobs = warmup.plan(args.dtype, args.headdim, args.mask, softcap=args.softcap,
                        varlen=(False,) if args.no_varlen else (False, True), backward=not args.no_bwd,
@@ -92,6 +108,21 @@ def _warmup(args) -> int:
         for job in jobs:
             print(job.family, job.key)
         return 0
+    import torch
+
+    from cute_attn import compile_cache
+
+    if compile_cache.cache_dir() is None:
+        print(f"warmup fills the disk compile cache, which is disabled ({compile_cache.ENV_ENABLE}=0)",
+              file=sys.stderr)
+        return 1
+    if not torch.cuda.is_available():
+        # the keys depend on the GPU (its SM count picks persistent grids, its tuned table,
+        # the CUDA driver is in the cache key): built here they would never be asked for
+        print("warmup builds the keys of this machine's GPU (its SM count, tuned table and CUDA driver are part "
+              "of them) and this machine has none: run it on the GPU host (--list shows a plan without one)",
+              file=sys.stderr)
+        return 1
     warmup.run(jobs, workers=args.jobs)
     return 0
 

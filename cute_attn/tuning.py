@@ -36,7 +36,14 @@ import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
-from cute_attn.config import AttnFeatures, FwdConfig, fwd_config_for, with_persistent_grid
+from cute_attn.config import (
+    SM90_SMEM_BYTES,
+    AttnFeatures,
+    FwdConfig,
+    fwd_config_for,
+    fwd_smem_bytes,
+    with_persistent_grid,
+)
 
 TABLE_DIR = Path(__file__).resolve().parent / "tuned"  # the tables committed with the package
 ENV_DIR = "CUTE_ATTN_TUNED_DIR"
@@ -106,13 +113,42 @@ def load_table(device_name: str) -> dict:
     table = {}
     for key, entry in entries.items():
         try:
-            config = FwdConfig(**entry["config"])
+            config = _tuned_entry(key, entry["config"])
         except (KeyError, TypeError, ValueError) as exc:
             _log.warning("tuned table %s: entry %s ignored (%s)", path, key, exc)
             continue
         if entry.get("adopted", True):
             table[key] = config
     return table
+
+
+# FwdConfig fields a tuned entry must leave at their defaults: the launcher sets them per
+# call (GQA packing, paging, split-KV and its merge, the persistent grid and its queue)
+_PER_CALL_FIELDS = ("pack_gqa", "page_size", "split_kv", "cluster_splits", "persistent_ctas", "tile_queue",
+                    "mask_before_scores")
+
+
+def _tuned_entry(key: str, fields: dict) -> FwdConfig:
+    """A table entry's FwdConfig, or ValueError / TypeError when the plain forward it
+    serves could not run it: a field of the wrong type (a float tile), a per-call field
+    set, no pipeline stage, or more shared memory than a CTA has at the key's head dim."""
+    defaults = {f.name: f.default for f in dataclasses.fields(FwdConfig)}
+    for name, value in fields.items():
+        default = defaults.get(name, dataclasses.MISSING)
+        kind = int if default is dataclasses.MISSING else type(default)  # tile_m, tile_n, num_stages: ints
+        if name in defaults and default is not None and type(value) is not kind:
+            raise TypeError(f"{name} is {type(value).__name__} {value!r}, not {kind.__name__}")
+    config = FwdConfig(**fields)
+    changed = [name for name in _PER_CALL_FIELDS if getattr(config, name) != defaults[name]]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} set: the launcher chooses those per call")
+    if config.num_stages < 1:
+        raise ValueError(f"num_stages {config.num_stages} < 1")
+    head_dim = int(key.split("/")[1])
+    if fwd_smem_bytes(config, head_dim) > SM90_SMEM_BYTES:
+        raise ValueError(f"{fwd_smem_bytes(config, head_dim)} bytes of shared memory at head dim {head_dim}, "
+                         f"over a CTA's {SM90_SMEM_BYTES}")
+    return config
 
 
 def tuned_fwd_config(device_name: Optional[str], dtype: str, head_dim: int,

@@ -54,6 +54,8 @@ def plan(dtypes: Sequence[str] = DEFAULT_DTYPES, head_dims: Sequence[int] = DEFA
     mha_with_kvcache's kv_lengths forwards, split and unsplit, for each pack."""
     from cute_attn.launcher import AppendKey, BwdKey, FwdKey
 
+    # group 1 is the unpacked kernel, planned anyway; each group once
+    gqa_packs = sorted({g for g in gqa_packs if g > 1})
     jobs = []
     if decode:
         for dtype, d, mask in itertools.product(dtypes, head_dims, masks):
