@@ -139,12 +139,11 @@ def block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, tile_m, tile_n, devic
     dense_mask takes it.
 
     Tiles cut by the end of a sequence are judged on their in-bounds pairs only: such a
-    tile is FULL when every in-bounds pair is visible. FULL thus means "the mask mod
-    need not be called here", not "no element needs masking": the kernel still masks
-    keys beyond seqlen_k (and ignores rows beyond seqlen_q) on the last tiles, as the
-    dense kernels already do whatever the mask kind. The alternative (cut tiles always
-    PARTIAL) would make the kernel call the mask mod on the last KV tile of every row
-    just to get the sequence-end mask it applies anyway.
+    tile is FULL when every in-bounds pair is visible (the mask's own classification).
+    The GPU builder (block_mask.py) then demotes a FULL last KV tile cut by seqlen_k to
+    PARTIAL, because the kernels mask keys past the end only in PARTIAL tiles; the tests
+    compare the two through that rule (their _kernel_view). Rows past seqlen_q are ignored
+    by the kernels either way.
     """
     if tile_m < 1 or tile_n < 1:
         raise ValueError(f"tile sizes must be >= 1, got ({tile_m}, {tile_n})")

@@ -281,6 +281,11 @@ class Modifier:
     None or the call dimension each of its dims is indexed by ("batch", "heads", or
     "tokens": query and key positions), so a call can refuse an aux tensor too small to
     index (check_extents) instead of reading past it; the built-ins give theirs.
+
+    Called directly (mod(b, h, q_idx, kv_idx), to draw it or hand it to another library)
+    without ``seq``, it sees SeqInfo(aux): lengths and offsets 0. Mods that read the
+    lengths (block_diffusion's halves) then give another mask: pass
+    seq=SeqInfo(aux, seqlen_q, seqlen_k) as the kernels do.
     """
 
     def __init__(self, kind: str, fn: Callable, aux: Sequence[torch.Tensor] = (), name: Optional[str] = None,
@@ -449,8 +454,10 @@ def block_diffusion(block_size):
     """BD3LM's block-diffusion mask (Arriola et al., "Block Diffusion", 2025).
 
     The training input is the sequence twice: the noisy half x_t at positions [0, L),
-    then the clean half x_0 at [L, 2L), with L = seqlen // 2 (self-attention; the length
-    is read at run time, so one kernel serves every L). Both halves are cut into blocks
+    then the clean half x_0 at [L, 2L), with L = seqlen_k // 2 on both sides: the queries
+    are all 2L tokens (self-attention), or the noisy L alone against the 2L keys (their
+    rows of the same mask). The length is read at run time, so one kernel serves every L.
+    Both halves are cut into blocks
     of block_size tokens, block(p) = (p mod L) // block_size (the last block is shorter
     when block_size does not divide L). Query i sees key j iff
 
@@ -468,7 +475,9 @@ def block_diffusion(block_size):
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
 
     def block_diffusion(b, h, q_idx, kv_idx, seq):
-        half = seq.seqlen_q // 2
+        # L from the keys (x_t ++ x_0): with only the noisy queries, seqlen_q // 2 would
+        # split them and the keys at L / 2 (session 32's review)
+        half = seq.seqlen_k // 2
         q, kv = q_idx - seq.offset_q, kv_idx - seq.offset_k
         q_clean, kv_clean = q >= half, kv >= half
         # p mod L for p < 2L, without a division by the run-time L
@@ -496,7 +505,9 @@ def prefix_lm(prefix_lens):
     attention, a length >= seqlen is full bidirectional attention. Self-attention
     (top-left aligned, positions within the entry).
     """
-    lens = torch.as_tensor(prefix_lens, dtype=torch.int32) if not isinstance(prefix_lens, torch.Tensor) \
+    # (a sequence or array is copied: wrapping a numpy buffer the caller later refills
+    # would change the ids behind torch's version counter, so a cached block mask went stale)
+    lens = torch.tensor(prefix_lens, dtype=torch.int32) if not isinstance(prefix_lens, torch.Tensor) \
         else prefix_lens
     if lens.dim() != 1 or lens.is_floating_point() or lens.dtype == torch.bool:
         raise ValueError(f"prefix_lens must be a 1-D (batch,) integer tensor, got {lens.dtype} {tuple(lens.shape)}")
@@ -522,7 +533,9 @@ def document(doc_ids, causal=False):
     column of a tile: 1-8% slower forward and backward on an H100 (perf/NOTES.md, session
     21). `doc_ids.to(torch.int32)` is exact while the ids fit in 32 bits.
     """
-    ids = torch.as_tensor(doc_ids)
+    # a copy unless a tensor (as prefix_lm: a refilled numpy buffer bypasses the version
+    # counter that the block-mask cache reads)
+    ids = doc_ids if isinstance(doc_ids, torch.Tensor) else torch.tensor(doc_ids)
     if ids.dim() not in (1, 2) or ids.is_floating_point() or ids.dtype == torch.bool:
         raise ValueError(f"doc_ids must be a (batch, seqlen) or (total,) integer tensor, got {ids.dtype} of "
                          f"shape {tuple(ids.shape)}")

@@ -603,3 +603,38 @@ def mask(b, h, q_idx, kv_idx):
     key = masks.Modifier.of("mask", namespace["mask"]).spec.key
     assert "('tanh', 'cute_attn.masks', 'tanh')" in repr(key)  # a library function: by name
     assert masks.Modifier.of("mask", namespace["mask"]).spec.key == key
+
+
+def test_block_diffusion_noisy_queries_against_the_2L_keys():
+    """BD3LM's L noisy queries against the 2L keys x_t ++ x_0 (sampling, or a noisy-only
+    query pass): L comes from the keys, so the noisy rows are those of the square mask
+    (L from seqlen_q split both sides at L / 2: half the noisy queries read as clean)."""
+    from cute_attn.mask_reference import dense_mask
+
+    for L, bs in ((8, 4), (10, 3), (7, 2)):
+        got = dense_mask(masks.block_diffusion(bs), 1, 1, L, 2 * L)[0, 0]
+        i, j = torch.arange(L)[:, None], torch.arange(2 * L)[None]
+        want = ((j < L) & (j // bs == i // bs)) | ((j >= L) & ((j - L) // bs < i // bs))
+        assert torch.equal(got, want), (L, bs)
+        square = dense_mask(masks.block_diffusion(bs), 1, 1, 2 * L, 2 * L)[0, 0]
+        assert torch.equal(square[:L], want)
+
+
+def test_ids_given_as_arrays_are_copied_so_a_refilled_buffer_cannot_stale_the_cache():
+    """document(np_array) / prefix_lm(np_array) wrapped the caller's buffer: a data loader
+    refilling it changed the ids behind torch's version counter, and the cached block mask
+    kept FULL tiles across what became two documents. Arrays and sequences are copied."""
+    import numpy as np
+
+    from cute_attn import block_mask as bm
+
+    ids = np.zeros((1, 256), np.int64)
+    mod = masks.document(ids)
+    before = bm.cached_block_mask(mod, 1, 1, 256, 256, 128, 128, "cpu").classes()
+    ids[0, 128:] = 1  # the caller's buffer, refilled
+    assert torch.equal(bm.cached_block_mask(mod, 1, 1, 256, 256, 128, 128, "cpu").classes(), before)
+    assert torch.equal(mod.aux[0], torch.zeros(1, 256, dtype=torch.int64))  # the copy: unchanged, consistent
+    lens = np.array([3], np.int32)
+    prefix = masks.prefix_lm(lens)
+    lens[0] = 100
+    assert prefix.aux[0].tolist() == [3]
