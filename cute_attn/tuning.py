@@ -328,6 +328,21 @@ def cuda_measure(dtype: str, head_dim: int, features: AttnFeatures, seqlen: int,
     return measure
 
 
+def as_called(measure: Callable, head_dim: int, features: AttnFeatures, seqlen: int) -> Callable:
+    """measure(configs) timing each config as a call runs it: with the persistent grid
+    with_persistent_grid gives it at this length on this GPU (as default_fwd_config does
+    for the default), results keyed by the config as given (what the table stores).
+    Without it the default was timed on a grid no call of those shapes uses."""
+    sms = gpu_sm_count()
+
+    def timed(configs):
+        run = {c: with_persistent_grid(c, head_dim, features, sms, seqlen) for c in configs}
+        times = measure(list(dict.fromkeys(run.values())))
+        return {c: times[run[c]] for c in configs}
+
+    return timed
+
+
 def tune(head_dims, masks=TUNED_MASKS, dtype: str = "bf16", seqlen: int = 8192, rounds: int = 5,
          log=print, write: bool = True) -> dict:
     """Tune every (head dim, mask) on the current GPU; returns {entry key: entry} and
@@ -340,14 +355,14 @@ def tune(head_dims, masks=TUNED_MASKS, dtype: str = "bf16", seqlen: int = 8192, 
         for mask in masks:
             features = AttnFeatures(mask=mask)
             base = fwd_config_for(head_dim, features)
-            measure = cuda_measure(dtype, head_dim, features, seqlen, rounds)
+            measure = as_called(cuda_measure(dtype, head_dim, features, seqlen, rounds), head_dim, features, seqlen)
             best, times = coordinate_descent(base, head_dim, features, measure)
             shape = {"seqlen": seqlen, "batch": max(1, 16384 // seqlen), "heads": max(1, 2048 // head_dim)}
             confirmation = None
             if best != base and times[base] / times[best] - 1.0 >= MIN_GAIN:
                 confirmation = {}
                 for s in CONFIRM_SEQLENS:
-                    t = cuda_measure(dtype, head_dim, features, s, rounds)([base, best])
+                    t = as_called(cuda_measure(dtype, head_dim, features, s, rounds), head_dim, features, s)([base, best])
                     confirmation[s] = t[base] / t[best] - 1.0 if t[best] > 0 else -1.0
             entry = make_entry(base, best, times, shape, device_name, confirmation)
             key = entry_key(dtype, head_dim, mask)

@@ -76,3 +76,28 @@ def test_a_runnable_tuned_entry_is_still_applied(table_dir):
     (table_dir / "nvidia-test-gpu-fwd.json").write_text(
         json.dumps({"entries": {"bf16/128/none": {"config": dataclasses.asdict(config)}}}))
     assert tuning.tuned_fwd_config("NVIDIA Test GPU", "bf16", 128, AttnFeatures()) == config
+
+
+def test_tune_times_each_config_on_the_grid_a_call_runs(monkeypatch):
+    """tune's baseline and candidates reach the timer as the launcher runs them (the
+    persistent grid where with_persistent_grid takes it: causal hd 128 at 1K on 132 SMs,
+    with the tile queue), while the times come back keyed by the configs as given, the
+    ones the table stores (it timed a default no call of those shapes runs)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA Test GPU")
+    monkeypatch.setattr(tuning, "gpu_sm_count", lambda index=None: 132)
+    timed = []
+
+    def fake_measure(dtype, d, features, seqlen, rounds):
+        def measure(configs):
+            timed.extend((seqlen, c) for c in configs)
+            return {c: 1.0 for c in configs}
+        return measure
+
+    monkeypatch.setattr(tuning, "cuda_measure", fake_measure)
+    entries = tuning.tune([128], ["causal"], seqlen=1024, rounds=1, log=lambda *a: None, write=False)
+    features = AttnFeatures(mask="causal")
+    persistent = tuning.with_persistent_grid(fwd_config_for(128, features), 128, features, 132, 1024)
+    assert persistent.persistent_ctas == 132 and timed[0] == (1024, persistent)
+    # every config timed is already the one a call runs (persistence applied where it fits)
+    assert all(tuning.with_persistent_grid(c, 128, features, 132, 1024) == c for _, c in timed)
+    assert entries["bf16/128/causal"]["config"]["persistent_ctas"] == 0  # stored as given
