@@ -37,11 +37,11 @@ def main(argv=None) -> int:
     w.add_argument("--softcap", action="store_true", help="the softcap specialisations instead")
     w.add_argument("--no-varlen", action="store_true", help="skip the packed variable-length ones")
     w.add_argument("--no-bwd", action="store_true", help="forward kernels only (inference)")
-    w.add_argument("--gqa-pack", nargs="*", type=_positive_int, default=[],
+    w.add_argument("--gqa-pack", nargs="*", type=_int_at_least(1), default=[],
                    help="GQA group sizes whose packed forward (short query sequences) to build too")
     w.add_argument("--decode", action="store_true",
                    help="also the inference kernels: split-KV forwards, mha_with_kvcache's")
-    w.add_argument("--jobs", type=_non_negative_int, default=0,
+    w.add_argument("--jobs", type=_int_at_least(0), default=0,
                    help="parallel compile processes (0: one per CPU, <= 8)")
     w.add_argument("--list", action="store_true", help="print the plan, build nothing")
     t = sub.add_parser("tune", help="time the forward's tile configs on this GPU, keep the winners in its table")
@@ -86,18 +86,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: an int >= minimum (else a usage error, exit 2)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+    return parse
 
 
 def _warmup(args) -> int:

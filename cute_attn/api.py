@@ -173,7 +173,7 @@ _functorch_active = torch._C._are_functorch_transforms_active
 def _refuse_transforms(*tensors):
     """torch.func transforms and forward-mode AD reach no kernel: a functorch wrapper has
     no memory to read, and a dual tensor's tangent would be dropped (a silent zero jvp)."""
-    if torch._C._are_functorch_transforms_active():
+    if _functorch_active():
         raise NotImplementedError("cute_attn has no torch.func support (grad, vmap, jvp, jacrev, ...): "
                                   "differentiate with torch.autograd (loss.backward(), torch.autograd.grad)")
     if any(isinstance(t, Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
@@ -581,10 +581,9 @@ def _checked_flags(causal, return_lse, deterministic):
     check of the common call; numpy bools and everything else go to validate_flags (a
     TypeError unless a bool). deterministic is also on under
     torch.use_deterministic_algorithms(True), as torch's own kernels read it."""
-    if (causal is True or causal is False) and (return_lse is True or return_lse is False) \
-            and (deterministic is True or deterministic is False):
-        return causal, return_lse, deterministic or _deterministic_algorithms()
-    causal, return_lse, deterministic = validate_flags(causal, return_lse, deterministic)
+    if not ((causal is True or causal is False) and (return_lse is True or return_lse is False)
+            and (deterministic is True or deterministic is False)):
+        causal, return_lse, deterministic = validate_flags(causal, return_lse, deterministic)
     return causal, return_lse, deterministic or _deterministic_algorithms()
 
 

@@ -42,7 +42,7 @@ import numbers
 import torch
 
 from cute_attn.reference import visible_keys
-from cute_attn.validation import _is_compiling, validate_gqa_heads, validate_softcap
+from cute_attn.validation import _capturing_cuda_graph, _is_compiling, validate_gqa_heads, validate_softcap
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)  # None in torch builds without FP8
 E4M3_MAX = 448.0  # largest finite e4m3fn value (1.75 * 2^8); the format has no inf
@@ -89,7 +89,7 @@ def _check_finite(amaxes):
     input: amax propagates NaN, and an inf is its own amax). One host read for the three;
     skipped while a CUDA graph captures or torch.compile traces (no host read there: a
     non-finite input then gives non-finite outputs, as any torch op would)."""
-    if _is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if _is_compiling() or _capturing_cuda_graph():
         return
     finite = torch.stack([torch.isfinite(a).all() for a in amaxes]).tolist()
     for name, ok in zip(_NAMES, finite):

@@ -355,14 +355,16 @@ def tune(head_dims, masks=TUNED_MASKS, dtype: str = "bf16", seqlen: int = 8192, 
         for mask in masks:
             features = AttnFeatures(mask=mask)
             base = fwd_config_for(head_dim, features)
-            measure = as_called(cuda_measure(dtype, head_dim, features, seqlen, rounds), head_dim, features, seqlen)
-            best, times = coordinate_descent(base, head_dim, features, measure)
+            def measure_at(s):  # each config as a call at s tokens per sequence runs it
+                return as_called(cuda_measure(dtype, head_dim, features, s, rounds), head_dim, features, s)
+
+            best, times = coordinate_descent(base, head_dim, features, measure_at(seqlen))
             shape = {"seqlen": seqlen, "batch": max(1, 16384 // seqlen), "heads": max(1, 2048 // head_dim)}
             confirmation = None
             if best != base and times[base] / times[best] - 1.0 >= MIN_GAIN:
                 confirmation = {}
                 for s in CONFIRM_SEQLENS:
-                    t = as_called(cuda_measure(dtype, head_dim, features, s, rounds), head_dim, features, s)([base, best])
+                    t = measure_at(s)([base, best])
                     confirmation[s] = t[base] / t[best] - 1.0 if t[best] > 0 else -1.0
             entry = make_entry(base, best, times, shape, device_name, confirmation)
             key = entry_key(dtype, head_dim, mask)

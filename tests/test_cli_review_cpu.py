@@ -11,14 +11,7 @@ import torch
 from cute_attn import tuning, warmup
 from cute_attn.__main__ import main
 from cute_attn.config import AttnFeatures, fwd_config_for
-
-
-@pytest.fixture
-def table_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(tuning.ENV_DIR, str(tmp_path))
-    tuning.load_table.cache_clear()
-    yield tmp_path
-    tuning.load_table.cache_clear()
+from test_tuning_cpu import table_dir  # noqa: F401 (fixture: a tuned-table folder of its own)
 
 
 def test_warmup_without_a_gpu_refuses_instead_of_building_keys_a_gpu_never_asks_for(monkeypatch, capsys):

@@ -8,25 +8,10 @@ import torch
 
 import cute_attn
 from cpu_standin import LauncherTrap, fake_cuda
+from test_validation_review_cpu import _Wrapper  # a DTensor-like wrapper: cuda:0, no storage
 from cute_attn import api, validation
 
 FP8 = torch.float8_e4m3fn
-
-
-class _Wrapper(torch.Tensor):
-    """A DTensor-like wrapper subclass: device cuda:0, data pointer 0, no storage."""
-
-    @staticmethod
-    def __new__(cls, inner):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
-                                                   device="cuda:0")
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise AssertionError(f"{func} dispatched")
 
 
 @pytest.fixture
